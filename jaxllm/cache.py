@@ -1,0 +1,171 @@
+"""The attention-sink KV cache (StreamingLLM, Xiao et al. 2023, §3.2) as a fixed-shape pytree.
+
+One cache type serves every policy:
+
+* **StreamingLLM** ``S > 0``: the first ``S`` tokens of the stream stay forever in slots
+  ``0..S-1``; later tokens go round a ring of ``W`` slots. Token ``t`` is written to slot ``t`` if
+  ``t < S`` else ``S + (t - S) mod W``.
+* **window** ``S = 0``: the ring alone.
+* **dense** ``S = 0, W = max length, evict=False``: nothing is ever evicted; writing past the end
+  is an error.
+
+Semantics (the authors' ``eval_long_ppl.py``, REFERENCE §1): token ``t`` attends to the sinks
+``0..S-1`` and to tokens ``t-W+1..t``, exactly as if the cache were trimmed to ``S + W`` after every
+token. **Positions are assigned inside the cache**: the kept tokens are numbered 0, 1, 2, ... in
+stream order, so the query sits at ``min(t, S+W-1)``.
+
+Keys are cached *before* RoPE. Because RoPE scores depend only on the difference between query
+and key positions, the in-cache positions reduce to two cases, both computed from bounded numbers:
+
+* a non-sink key ``u`` (in the ring or in the current chunk) is at in-cache distance ``t - u`` from
+  the query, its true distance, which is < W. We rotate queries at their chunk offset ``c`` and keys
+  at ``c'`` (chunk) or ``-d`` (ring key ``d`` tokens before the chunk), giving exactly ``t - u``.
+* a sink key ``j`` is at distance ``min(t, S+W-1) - j``; we rotate a second copy of the query at
+  ``min(t, S+W-1)`` and the sink keys at ``j``.
+
+So no absolute stream position ever enters the arithmetic: the counters are ``length`` (filled
+slots, saturating at ``S+W``) and ``head`` (next ring offset, in ``[0, W)``), neither of which grows
+with the stream, and logits after a billion tokens are computed from the same small numbers as
+after a thousand.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
+
+from .config import ModelConfig
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer pre-RoPE keys and values plus per-row ring counters.
+
+    ``k[l]``, ``v[l]``: [B, S+W, kv_heads, head_dim]; slots ``0..S-1`` hold the sinks, ``S..S+W-1``
+    the ring. ``length`` [B]: number of filled slots (= tokens seen, saturating at S+W).
+    ``head`` [B]: ring offset the next non-sink token is written to.
+    """
+
+    k: tuple[Float[Array, "b c n h"], ...]
+    v: tuple[Float[Array, "b c n h"], ...]
+    length: Int[Array, " b"]
+    head: Int[Array, " b"]
+    sinks: int = struct.field(pytree_node=False)
+    evict: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def window(self) -> int:
+        return self.capacity - self.sinks
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+
+def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020, *,
+               evict: bool = True, dtype=jnp.float32) -> KVCache:
+    """An empty cache of ``sinks + window`` slots per row.
+
+    ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
+    ``sinks=0`` gives window attention; ``sinks=0, window=L, evict=False`` a dense cache of L tokens.
+    """
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    if not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be a non-negative int (0 for window attention), got {sinks!r}")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (the number of recent tokens kept), "
+                         f"got {window!r}")
+    shape = (batch, sinks + window, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   length=jnp.zeros((batch,), jnp.int32), head=jnp.zeros((batch,), jnp.int32),
+                   sinks=sinks, evict=evict)
+
+
+class ChunkLayout(NamedTuple):
+    """Index arithmetic for one chunk, shared by every layer (computed once per forward)."""
+
+    sink_from_chunk: Bool[Array, "b s"]  # sink slot j is filled by this chunk
+    sink_chunk_idx: Int[Array, "b s"]  # ... from chunk token j - length (clipped)
+    sink_mask: Bool[Array, "b t s"]  # query c may attend to sink j
+    sink_q_pos: Int[Array, "b t"]  # in-cache query position min(t, S+W-1)
+    rest_mask: Bool[Array, "b t l"]  # l = W ring slots then T chunk tokens
+    rest_k_pos: Int[Array, "b l"]  # -d for ring keys, c' for chunk keys
+    rest_q_pos: Int[Array, "b t"]  # chunk offset c
+    write_slot: Int[Array, "b t"]  # cache slot of each chunk token kept; S+W means dropped
+    new_length: Int[Array, " b"]
+    new_head: Int[Array, " b"]
+    overflow: Bool[Array, " b"]  # dense cache asked to hold more than it can
+
+
+def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
+    """Masks, in-cache positions and write slots for a chunk of ``T`` tokens (``lens`` valid)."""
+    S, W = cache.sinks, cache.window
+    B = cache.batch
+    length, head = cache.length[:, None], cache.head[:, None]  # [B, 1]
+    lens = lens[:, None]
+    c = jnp.arange(T, dtype=jnp.int32)[None, :]  # [1, T] chunk offset of each token
+
+    # Sinks: slot j holds stream token j; it comes from this chunk if j >= length.
+    j = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S]
+    sink_from_chunk = (j >= length) & (j - length < lens)
+    sink_chunk_idx = jnp.clip(j - length, 0, max(T - 1, 0))
+    sink_exists = (j < length) | sink_from_chunk
+    # causal: sink j is visible to the token t = n + c iff j <= t; j < S <= length when saturated.
+    sink_mask = sink_exists[:, None, :] & (j[:, None, :] <= (length + c)[:, :, None])
+    sink_q_pos = jnp.minimum(length + c, S + W - 1)  # [B, T]
+
+    # Ring: offset i holds the token d = (head-1-i) mod W + 1 tokens before the chunk.
+    i = jnp.arange(W, dtype=jnp.int32)[None, :]
+    d = jnp.mod(head - 1 - i, W) + 1  # [B, W]
+    ring_count = jnp.maximum(length - S, 0)  # non-sink tokens currently in the ring
+    ring_mask = (d <= ring_count)[:, None, :] & (c[:, :, None] + d[:, None, :] <= W - 1)
+
+    # Chunk tokens: non-sinks are attended to through the rest part, within the window.
+    cp = c  # [1, T] key offsets c'
+    nonsink = (length + cp >= S) & (cp < lens)  # [B, T]
+    causal = (cp[:, None, :] <= c[:, :, None]) & (c[:, :, None] - cp[:, None, :] <= W - 1)
+    chunk_mask = nonsink[:, None, :] & causal  # [B, T, T]
+
+    rest_mask = jnp.concatenate([jnp.broadcast_to(ring_mask, (B, T, W)), chunk_mask], axis=-1)
+    rest_k_pos = jnp.concatenate([-d, jnp.broadcast_to(cp, (B, T))], axis=-1)
+    rest_q_pos = jnp.broadcast_to(c, (B, T))
+
+    # Writes: the sinks are set from sink_from_chunk; of the non-sink tokens only the last W of
+    # the chunk survive it, and those have distinct ring slots (so the scatter is deterministic).
+    n_sink_in_chunk = jnp.maximum(S - length, 0)  # [B, 1]
+    rank = cp - n_sink_in_chunk  # index among this chunk's non-sink tokens
+    kept = nonsink & (lens - cp <= W)
+    write_slot = jnp.where(kept, S + jnp.mod(head + rank, W), S + W)
+    n_nonsink = jnp.maximum(lens - n_sink_in_chunk, 0)
+    new_head = jnp.mod(head + n_nonsink, W)[:, 0]
+    new_length = jnp.minimum(length + lens, S + W)[:, 0]
+    overflow = (length + lens > S + W)[:, 0] if not cache.evict else jnp.zeros((B,), bool)
+    return ChunkLayout(sink_from_chunk, sink_chunk_idx, sink_mask, sink_q_pos, rest_mask,
+                       rest_k_pos, rest_q_pos, write_slot, new_length, new_head, overflow)
+
+
+def merge_sinks(cache_k: Float[Array, "b c n h"], chunk_k: Float[Array, "b t n h"],
+                lay: ChunkLayout, S: int) -> Float[Array, "b s n h"]:
+    """Sink slots after this chunk: the cached ones, or the chunk's first tokens while n < S."""
+    from_chunk = jnp.take_along_axis(chunk_k, lay.sink_chunk_idx[:, :, None, None], axis=1)
+    return jnp.where(lay.sink_from_chunk[:, :, None, None], from_chunk.astype(cache_k.dtype),
+                     cache_k[:, :S])
+
+
+def write_chunk(cache_k: Float[Array, "b c n h"], sink_k: Float[Array, "b s n h"],
+                chunk_k: Float[Array, "b t n h"], lay: ChunkLayout, S: int
+                ) -> Float[Array, "b c n h"]:
+    """The layer's cache after the chunk: new sinks, kept chunk tokens scattered into the ring."""
+    B, T = lay.write_slot.shape
+    out = cache_k.at[:, :S].set(sink_k) if S else cache_k
+    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return out.at[b_idx, lay.write_slot].set(chunk_k.astype(cache_k.dtype), mode="drop")

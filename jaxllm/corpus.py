@@ -1,0 +1,49 @@
+"""The embedded corpus: English text from the documentation that ships with Python.
+
+Built from ``pydoc_data.topics`` (the language reference topics behind ``help()``) and the
+docstrings of a fixed list of standard-library modules, in a fixed order: deterministic for a
+given Python version, ~750 KB, no download.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+MODULES = (
+    "builtins", "os", "sys", "collections", "itertools", "functools", "re", "json", "math",
+    "string", "pathlib", "typing", "dataclasses", "inspect", "io", "shutil", "subprocess",
+    "threading", "asyncio", "unittest", "logging", "argparse", "datetime", "random", "statistics",
+    "decimal", "fractions", "heapq", "bisect", "operator", "contextlib", "enum", "abc", "copy",
+    "pickle", "csv", "sqlite3", "socket", "http.client", "urllib.parse", "email.message",
+    "xml.etree.ElementTree", "textwrap", "difflib", "zipfile", "tarfile", "tempfile", "glob",
+    "fnmatch", "time",
+)
+
+
+def _docstrings(name: str) -> list[str]:
+    try:
+        mod = importlib.import_module(name)
+    except ImportError:  # a stripped-down Python may lack e.g. sqlite3; the rest still stands
+        return []
+    out = [inspect.getdoc(mod) or ""]
+    for attr in sorted(dir(mod)):
+        if attr.startswith("_"):
+            continue
+        obj = getattr(mod, attr, None)
+        if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            continue
+        if name != "builtins" and getattr(obj, "__module__", name) != name:
+            continue  # re-exported from elsewhere: counted where it is defined
+        out.append(inspect.getdoc(obj) or "")
+    return [d for d in out if d]
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_corpus() -> str:
+    """The whole embedded corpus as one string."""
+    import pydoc_data.topics as topics
+    parts = [topics.topics[k] for k in sorted(topics.topics)]
+    for name in MODULES:
+        parts.extend(_docstrings(name))
+    return "\n\n".join(parts)

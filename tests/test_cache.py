@@ -1,0 +1,147 @@
+"""The attention-sink cache against independent references: the naive list cache of the
+authors' eval loop (tests/reference.py), the plain forward on the kept tokens, and the write-index
+formula of the issue computed with Python integers."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import LLAMA, NEOX
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import NaiveStream
+
+import jaxllm
+
+PARAMS = {"neox": jaxllm.init_params(NEOX, jax.random.key(0)),
+          "llama": jaxllm.init_params(LLAMA, jax.random.key(0))}
+CFGS = {"neox": NEOX, "llama": LLAMA}
+
+
+def slot_of(t: int, S: int, W: int) -> int:
+    """The issue's modular write index, in Python integers (no overflow possible)."""
+    return t if t < S else S + (t - S) % W
+
+
+@pytest.mark.parametrize("family", ["neox", "llama"])
+def test_one_layer_equals_forward_on_kept_tokens(family):
+    # With one layer, a cached key depends only on its token, so the cache must equal the plain
+    # forward over [kept sinks + last W tokens] at positions 0..n-1 (REFERENCE §1).
+    cfg = dataclasses.replace(CFGS[family], num_layers=1)
+    params = jaxllm.init_params(cfg, jax.random.key(5))
+    S, W, N = 3, 6, 40
+    tokens = np.asarray(jax.random.randint(jax.random.key(6), (1, N), 0, cfg.vocab_size))
+    ref = []
+    for t in range(N):
+        kept = list(range(min(S, t + 1))) + list(range(max(S, t - W + 1), t + 1))
+        ref.append(jaxllm.forward(params, cfg, tokens[:, kept])[0][:, -1])
+    got, _ = jaxllm.forward(params, cfg, tokens, jaxllm.init_cache(cfg, 1, sinks=S, window=W))
+    np.testing.assert_allclose(got, jnp.stack(ref, 1), atol=1e-5)
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(["neox", "llama"]), S=st.sampled_from([0, 1, 3]),
+       W=st.sampled_from([1, 3, 6]), C=st.sampled_from([1, 4, 9]), B=st.sampled_from([1, 3]),
+       data=st.data())
+def test_chunked_padded_stream_equals_naive(family, S, W, C, B, data):
+    """Random chunk fill per row (padding never written) vs the token-by-token naive cache,
+    across many ring wrap-arounds (streams up to 8x the window)."""
+    cfg, params = CFGS[family], PARAMS[family]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    n_calls = data.draw(st.integers(1, 7))
+    cache = jaxllm.init_cache(cfg, B, sinks=S, window=W)
+    streams = [[] for _ in range(B)]
+    got = [[] for _ in range(B)]
+    for _ in range(n_calls):
+        lens = rng.integers(0, C + 1, size=B)
+        toks = rng.integers(0, cfg.vocab_size, size=(B, C))
+        logits, cache = jaxllm.forward(params, cfg, toks, cache, lens)
+        for b in range(B):
+            streams[b].extend(toks[b, :lens[b]])
+            got[b].extend(np.asarray(logits[b, :lens[b]]))
+    for b in range(B):
+        n = len(streams[b])
+        assert int(cache.length[b]) == min(n, S + W)
+        if not n:
+            continue
+        naive = NaiveStream(params, cfg, S, W)
+        ref = naive.run(streams[b])
+        np.testing.assert_allclose(np.stack(got[b]), ref, atol=3e-5, rtol=1e-4)
+        # Every kept token sits in the slot the write-index formula names, as pre-RoPE keys.
+        for pos, t in enumerate(naive.kept):
+            np.testing.assert_allclose(cache.k[0][b, slot_of(t, S, W)], naive.kv[0][pos][0],
+                                       atol=1e-5)
+
+
+def test_counters_near_2_31():
+    """The cache stores no stream position, only bounded counters. Lay a ring out as it would be
+    after 2**31 - 4 tokens and stream across 2**31: logits equal the same content laid out after
+    S+W+3 tokens, and each token lands in slot S + (t - S) mod W for its huge t."""
+    cfg, params, S, W = LLAMA, PARAMS["llama"], 2, 5
+    toks = np.asarray(jax.random.randint(jax.random.key(7), (1, S + W + 3 + 10), 0, 64))
+    _, a = jaxllm.forward(params, cfg, toks[:, :S + W + 3], jaxllm.init_cache(cfg, 1, S, W))
+    n_a, n_b = S + W + 3, 2**31 - 4
+    perm = [0] * W  # ring offset in b <- ring offset in a, for the token d back
+    for d in range(1, W + 1):
+        perm[(slot_of(n_b - d, S, W) - S)] = slot_of(n_a - d, S, W) - S
+    idx = np.r_[np.arange(S), S + np.asarray(perm)]
+    b = a.replace(k=tuple(k[:, idx] for k in a.k), v=tuple(v[:, idx] for v in a.v),
+                  head=jnp.asarray([(n_b - S) % W], jnp.int32))
+    for i in range(10):
+        la, a = jaxllm.forward(params, cfg, toks[:, n_a + i:n_a + i + 1], a)
+        lb, b = jaxllm.forward(params, cfg, toks[:, n_a + i:n_a + i + 1], b)
+        np.testing.assert_allclose(lb, la, atol=1e-6)
+        # layer-0 keys depend on the token alone: bit-identical, in the formula's slot
+        np.testing.assert_array_equal(b.k[0][0, slot_of(n_b + i, S, W)],
+                                      a.k[0][0, slot_of(n_a + i, S, W)])
+    assert b.length.dtype == jnp.int32 and int(b.length[0]) == S + W
+    assert int(b.head[0]) == (n_b + 10 - S) % W
+
+
+def test_counters_bounded_after_many_wraps():
+    cfg, params, S, W = NEOX, PARAMS["neox"], 4, 3
+    cache = jaxllm.init_cache(cfg, 1, S, W)
+    n = 0
+    for _ in range(5):
+        _, cache = jaxllm.forward(params, cfg, np.ones((1, 50), np.int32), cache)
+        n += 50
+        assert int(cache.length[0]) == S + W and int(cache.head[0]) == (n - S) % W
+
+
+def test_no_recompilation_while_streaming():
+    cfg, params = NEOX, PARAMS["neox"]
+    cache = jaxllm.init_cache(cfg, 1, sinks=4, window=60)
+    chunk = np.zeros((1, 500), np.int32)
+    for _ in range(2):  # warm-up
+        _, cache = jaxllm.forward(params, cfg, chunk, cache)
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for i in range(20):  # another 10K tokens
+            logits, cache = jaxllm.forward(params, cfg, chunk + i % 7, cache)
+        logits.block_until_ready()
+    finally:
+        jax._src.monitoring.unregister_event_duration_listener(listener)
+    assert [e for e in compiles if "backend_compile" in e] == []
+
+
+def test_bad_input_errors():
+    cfg, params = NEOX, PARAMS["neox"]
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        jaxllm.init_cache(cfg, 1, sinks=4, window=0)
+    with pytest.raises(ValueError, match="sinks must be a non-negative"):
+        jaxllm.init_cache(cfg, 1, sinks=-1, window=8)
+    with pytest.raises(ValueError, match="batch 2 but the cache was made for batch 1"):
+        jaxllm.forward(params, cfg, np.zeros((2, 3), np.int32), jaxllm.init_cache(cfg, 1, 0, 8))
+    dense = jaxllm.init_cache(cfg, 1, sinks=0, window=8, evict=False)
+    _, dense = jaxllm.forward(params, cfg, np.zeros((1, 6), np.int32), dense)
+    with pytest.raises(ValueError, match="dense cache overflow"):
+        jaxllm.forward(params, cfg, np.zeros((1, 3), np.int32), dense)
+    # Under the user's own jit no exception can be raised: the overflowing row's logits are NaN.
+    step = jax.jit(lambda c, t: jaxllm.forward(params, cfg, t, c))
+    logits, _ = step(dense, jnp.zeros((1, 3), jnp.int32))
+    assert np.isnan(np.asarray(logits)).all()
+    logits, _ = step(dense, jnp.zeros((1, 2), jnp.int32))  # fits exactly: fine
+    assert np.isfinite(np.asarray(logits)).all()

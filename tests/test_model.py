@@ -1,0 +1,76 @@
+"""The plain forward and the dense cache against the naive numpy transformer."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import LLAMA, NEOX
+from reference import naive_logits
+
+import jaxllm
+
+VARIANTS = {
+    "neox-parallel": NEOX,
+    "neox-sequential-rot1.0": dataclasses.replace(NEOX, parallel_residual=False, rotary_pct=1.0),
+    "neox-rot0.25": dataclasses.replace(NEOX, hidden_size=64, rotary_pct=0.25),
+    "llama-gqa1-tied": dataclasses.replace(LLAMA, num_kv_heads=1, tie_embeddings=True),
+    "llama-gqa4-theta": dataclasses.replace(LLAMA, num_kv_heads=4, rope_theta=500000.0),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_forward_matches_naive_numpy(name):
+    cfg = VARIANTS[name]
+    params = jaxllm.init_params(cfg, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, cfg.vocab_size)
+    logits, cache = jaxllm.forward(params, cfg, tokens)
+    assert cache is None and logits.shape == (2, 12, cfg.vocab_size)
+    np.testing.assert_allclose(logits, naive_logits(params, cfg, tokens), atol=2e-5, rtol=1e-4)
+
+
+def test_dense_cache_decode_equals_plain_forward(model):
+    cfg, params = model
+    tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, cfg.vocab_size)
+    full, _ = jaxllm.forward(params, cfg, tokens)
+    cache = jaxllm.init_cache(cfg, 2, sinks=0, window=40, evict=False)
+    first, cache = jaxllm.forward(params, cfg, tokens[:, :17], cache)  # prefill, then decode
+    steps = [first]
+    for t in range(17, 40):
+        lg, cache = jaxllm.forward(params, cfg, tokens[:, t:t + 1], cache)
+        steps.append(lg)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5)
+    assert list(cache.length) == [40, 40]
+
+
+def test_bfloat16_compute_close_to_float32(model):
+    cfg, params = model
+    tokens = jax.random.randint(jax.random.key(4), (1, 16), 0, cfg.vocab_size)
+    ref, _ = jaxllm.forward(params, cfg, tokens)
+    lo, _ = jaxllm.forward(params, dataclasses.replace(cfg, dtype="bfloat16"), tokens)
+    assert lo.dtype == jnp.float32
+    np.testing.assert_allclose(lo, ref, atol=0.05)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        jaxllm.ModelConfig.llama(vocab_size=8, hidden_size=32, num_layers=1, num_heads=4,
+                                 num_kv_heads=3, intermediate_size=8)
+    with pytest.raises(ValueError, match="unknown family"):
+        jaxllm.ModelConfig(family="gpt2", vocab_size=8, hidden_size=8, num_layers=1, num_heads=1,
+                           num_kv_heads=1, intermediate_size=8)
+
+
+def test_save_load_roundtrip(tmp_path, model):
+    cfg, params = model
+    jaxllm.save_model(str(tmp_path / "m"), cfg, params)
+    jaxllm.save_model(str(tmp_path / "m"), cfg, params)  # overwriting swaps atomically
+    cfg2, params2, tok = jaxllm.load_model(str(tmp_path / "m"))
+    assert cfg2 == cfg and tok.name == "byte"
+    jax.tree.map(np.testing.assert_array_equal, params, params2)
+    bad = dataclasses.replace(cfg, hidden_size=cfg.hidden_size * 2)
+    jaxllm.save_model(str(tmp_path / "bad"), bad, params)
+    with pytest.raises(ValueError, match="has shape"):
+        jaxllm.load_model(str(tmp_path / "bad"))
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        jaxllm.load_model(str(tmp_path / "nope"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import warnings
 
 MODULES = (
     "builtins", "os", "sys", "collections", "itertools", "functools", "re", "json", "math",
@@ -30,7 +31,9 @@ def _docstrings(name: str) -> list[str]:
     for attr in sorted(dir(mod)):
         if attr.startswith("_"):
             continue
-        obj = getattr(mod, attr, None)
+        with warnings.catch_warnings():  # e.g. typing.io warns on access; the text is the same
+            warnings.simplefilter("ignore")
+            obj = getattr(mod, attr, None)
         if not (inspect.isclass(obj) or inspect.isroutine(obj)):
             continue
         if name != "builtins" and getattr(obj, "__module__", name) != name:

@@ -1,0 +1,102 @@
+"""generate() against its Python twin and a hand-written greedy loop over forward()."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import LLAMA
+
+import jaxllm
+from jaxllm.generate import sample_logits
+
+PARAMS = jaxllm.init_params(LLAMA, jax.random.key(0))
+
+
+def greedy_by_hand(prompt, n, sinks, window):
+    """Oracle: argmax step by step with forward(), one row at a time."""
+    cache = jaxllm.init_cache(LLAMA, 1, sinks=sinks, window=window)
+    logits, cache = jaxllm.forward(PARAMS, LLAMA, np.asarray([prompt]), cache)
+    out = []
+    for _ in range(n):
+        out.append(int(jnp.argmax(logits[0, -1])))
+        logits, cache = jaxllm.forward(PARAMS, LLAMA, np.asarray([[out[-1]]]), cache)
+    return out
+
+
+def test_greedy_matches_hand_loop_with_padding_and_wraparound():
+    prompts = [[5, 9, 11, 2, 7, 7, 1], [3, 4]]
+    lens = np.array([7, 2])
+    padded = np.zeros((2, 7), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, :len(p)] = p
+    sc = jaxllm.SamplingConfig(max_new_tokens=20)
+    cache = jaxllm.init_cache(LLAMA, 2, sinks=2, window=6)  # 27 tokens through 8 slots
+    res = jaxllm.generate(PARAMS, LLAMA, padded, cache, sc, prompt_lengths=lens)
+    for b, p in enumerate(prompts):
+        assert list(np.asarray(res.tokens[b])) == greedy_by_hand(p, 20, 2, 6)
+    assert list(res.num_tokens) == [20, 20]
+    assert cache.k[0].is_deleted()  # donated: the loop updated the cache in place
+
+
+@pytest.mark.parametrize("sc", [
+    jaxllm.SamplingConfig(max_new_tokens=12, temperature=0.8),
+    jaxllm.SamplingConfig(max_new_tokens=12, temperature=1.0, top_k=5),
+    jaxllm.SamplingConfig(max_new_tokens=12, temperature=1.2, top_p=0.7),
+], ids=["temperature", "top_k", "top_p"])
+def test_jit_loop_equals_python_twin(sc):
+    prompt = np.asarray([[1, 2, 3, 4], [9, 8, 7, 0]])
+    key = jax.random.key(42)
+    a = jaxllm.generate(PARAMS, LLAMA, prompt, jaxllm.init_cache(LLAMA, 2, 1, 5), sc, key,
+                        prompt_lengths=np.array([4, 3]))
+    b = jaxllm.generate_python(PARAMS, LLAMA, prompt, jaxllm.init_cache(LLAMA, 2, 1, 5), sc, key,
+                               prompt_lengths=np.array([4, 3]))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.cache.k[1], b.cache.k[1], atol=1e-5)
+
+
+def test_eos_stops_each_row_independently():
+    prompt = np.asarray([[5, 9, 11], [3, 4, 6]])
+    free = greedy_by_hand([5, 9, 11], 10, 0, 64)
+    eos = free[3]  # row 0 hits EOS at step 3; row 1 may or may not
+    sc = jaxllm.SamplingConfig(max_new_tokens=10, eos_id=eos)
+    res = jaxllm.generate(PARAMS, LLAMA, prompt, jaxllm.init_cache(LLAMA, 2, 0, 64), sc)
+    stop0 = free.index(eos) + 1
+    assert int(res.num_tokens[0]) == stop0
+    assert list(np.asarray(res.tokens[0, :stop0])) == free[:stop0]
+    assert (np.asarray(res.tokens[0, stop0:]) == eos).all()
+    free1 = greedy_by_hand([3, 4, 6], 10, 0, 64)
+    stop1 = free1.index(eos) + 1 if eos in free1 else 10
+    assert list(np.asarray(res.tokens[1, :int(res.num_tokens[1])])) == free1[:stop1]
+    # The cache holds prompt + generated tokens (EOS included) for each row, nothing more.
+    assert list(np.asarray(res.cache.length)) == [3 + stop0, 3 + stop1]
+
+
+def test_multi_round_chat_equals_one_stream():
+    sc = jaxllm.SamplingConfig(max_new_tokens=6)
+    cache = jaxllm.init_cache(LLAMA, 1, sinks=2, window=10)
+    r1 = jaxllm.generate(PARAMS, LLAMA, np.asarray([[1, 2, 3]]), cache, sc)
+    r2 = jaxllm.generate(PARAMS, LLAMA, np.asarray([[4, 5]]), r1.cache, sc)
+    # One stream: [1,2,3] + reply1 + [4,5], then greedy.
+    history = [1, 2, 3] + list(np.asarray(r1.tokens[0])) + [4, 5]
+    assert list(np.asarray(r2.tokens[0])) == greedy_by_hand(history, 6, 2, 10)
+
+
+def test_top_k_and_top_p_sample_only_from_the_allowed_set():
+    logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.3, 0.15, 0.1]]))
+    keys = jax.random.split(jax.random.key(0), 400)
+    draw = lambda sc: {int(sample_logits(logits, k, sc)[0]) for k in keys}  # noqa: E731
+    assert draw(jaxllm.SamplingConfig(temperature=1.0, top_k=2)) == {1, 2}
+    # nucleus 0.8: 0.4 + 0.3 = 0.7 < 0.8, so 0.15 joins; 0.85 >= 0.8 stops it
+    assert draw(jaxllm.SamplingConfig(temperature=1.0, top_p=0.8)) == {1, 2, 3}
+    assert draw(jaxllm.SamplingConfig(temperature=1.0)) == {0, 1, 2, 3, 4}
+
+
+def test_generate_errors():
+    with pytest.raises(ValueError, match="top_p"):
+        jaxllm.SamplingConfig(top_p=0.0)
+    dense = jaxllm.init_cache(LLAMA, 1, sinks=0, window=8, evict=False)
+    with pytest.raises(ValueError, match="dense cache overflow"):
+        jaxllm.generate(PARAMS, LLAMA, np.ones((1, 4), np.int32), dense,
+                        jaxllm.SamplingConfig(max_new_tokens=5))
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        jaxllm.generate(PARAMS, LLAMA, np.ones((1, 4), np.int32), dense,
+                        jaxllm.SamplingConfig(max_new_tokens=2), prompt_lengths=np.array([0]))

@@ -1,0 +1,32 @@
+"""Shared by the benchmark scripts: machine description and appending a table to BENCHMARKS.md."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+
+DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "BENCHMARKS.md")
+
+
+def machine() -> str:
+    import jax
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} "
+            f"({jax.default_backend()}), Python {platform.python_version()}")
+
+
+def record(title: str, table: str, notes: str = "") -> None:
+    """Print ``table`` and append it to docs/BENCHMARKS.md with machine, date and command."""
+    print(table)
+    cmd = " ".join(["python"] + sys.argv)
+    block = (f"\n## {title}\n\n- date: {datetime.date.today().isoformat()}\n- machine: {machine()}\n"
+             f"- command: `{cmd}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
+    with open(DOC, "a") as f:
+        f.write(block)
+    print(f"appended to {os.path.normpath(DOC)}")

@@ -222,6 +222,11 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
         lens = jnp.asarray(lengths, jnp.int32)
         if lens.shape != (B,):
             raise ValueError(f"lengths must have shape [batch]=({B},), got {tuple(lens.shape)}")
+        if _is_concrete(lens):
+            lo, hi = int(lens.min()), int(lens.max())
+            if lo < 0 or hi > T:
+                raise ValueError(f"lengths must lie in [0, {T}] (valid tokens per row of this "
+                                 f"chunk), got values in [{lo}, {hi}]")
     if cache is None:
         if lengths is not None:
             raise ValueError("lengths (right padding) only applies to a forward with a cache; "

@@ -135,6 +135,9 @@ def test_bad_input_errors():
         jaxllm.init_cache(cfg, 1, sinks=-1, window=8)
     with pytest.raises(ValueError, match="batch 2 but the cache was made for batch 1"):
         jaxllm.forward(params, cfg, np.zeros((2, 3), np.int32), jaxllm.init_cache(cfg, 1, 0, 8))
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 3\]"):
+        jaxllm.forward(params, cfg, np.zeros((1, 3), np.int32), jaxllm.init_cache(cfg, 1, 0, 8),
+                       np.array([4]))
     dense = jaxllm.init_cache(cfg, 1, sinks=0, window=8, evict=False)
     _, dense = jaxllm.forward(params, cfg, np.zeros((1, 6), np.int32), dense)
     with pytest.raises(ValueError, match="dense cache overflow"):

@@ -105,3 +105,19 @@ def test_cli_generate_rounds(capsys):
                  "--cache", "16", "--sinks", "2"]) == 0
     out = capsys.readouterr().out
     assert ">>> Hello" in out and ">>> again" in out
+
+
+def test_hf_tokenizer_from_local_directory(tmp_path):
+    # A real Hugging Face tokenizer built here (no download), saved and loaded back by path.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<eos>", "the", "cache", "keeps", "sinks"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+                            eos_token="<eos>").save_pretrained(tmp_path)
+    tok = jaxllm.load_tokenizer(str(tmp_path))
+    assert tok.encode("the cache keeps sinks") == [2, 3, 4, 5]
+    assert tok.eos_id == 1 and tok.decode([2, 5]) == "the sinks"
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        jaxllm.load_tokenizer(str(tmp_path / "missing"))

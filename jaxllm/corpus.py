@@ -28,17 +28,17 @@ def _docstrings(name: str) -> list[str]:
     except ImportError:  # a stripped-down Python may lack e.g. sqlite3; the rest still stands
         return []
     out = [inspect.getdoc(mod) or ""]
-    for attr in sorted(dir(mod)):
-        if attr.startswith("_"):
-            continue
-        with warnings.catch_warnings():  # e.g. typing.io warns on access; the text is the same
-            warnings.simplefilter("ignore")
+    with warnings.catch_warnings():  # e.g. typing.io warns when read; its text is still wanted
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for attr in sorted(dir(mod)):
+            if attr.startswith("_"):
+                continue
             obj = getattr(mod, attr, None)
-        if not (inspect.isclass(obj) or inspect.isroutine(obj)):
-            continue
-        if name != "builtins" and getattr(obj, "__module__", name) != name:
-            continue  # re-exported from elsewhere: counted where it is defined
-        out.append(inspect.getdoc(obj) or "")
+            if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+                continue
+            if name != "builtins" and getattr(obj, "__module__", name) != name:
+                continue  # re-exported from elsewhere: counted where it is defined
+            out.append(inspect.getdoc(obj) or "")
     return [d for d in out if d]
 
 

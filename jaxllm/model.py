@@ -62,12 +62,17 @@ def _attend(scores_parts, value_parts, mask, cfg: ModelConfig):
     """softmax over the concatenated key axis, then the weighted sum of values (GQA-aware).
 
     scores_parts: [B, KVH, G, T, L_i] each; value_parts: [B, L_i, KVH, Dh]; mask [B, T, sum L_i].
+    Only the (small) scores are concatenated; keys and values stay where they are, so a decode
+    step never copies the cache.
     """
     scores = jnp.concatenate(scores_parts, axis=-1) if len(scores_parts) > 1 else scores_parts[0]
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
-    values = jnp.concatenate(value_parts, axis=1) if len(value_parts) > 1 else value_parts[0]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(jnp.float32))
+    out, start = 0.0, 0
+    for v in value_parts:
+        p = probs[..., start:start + v.shape[1]]
+        out = out + jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
+        start += v.shape[1]
     B, T = out.shape[:2]
     return out.reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, Dh]
 
@@ -107,10 +112,12 @@ class Attention(nn.Module):
             # What is attended to is exactly what is cached (same dtype), so a chunk and the
             # token-by-token process see identical keys even with a bfloat16 cache.
             k, v = k.astype(ck.dtype), v.astype(cv.dtype)
-            rest_k = jnp.concatenate([ck[:, sinks:], k], axis=1)  # [B, W+T, KVH, Dh]
-            rest_v = jnp.concatenate([cv[:, sinks:], v], axis=1)
-            scores = [_scores(rope(q, lay.rest_q_pos), rope(rest_k, lay.rest_k_pos), cfg)]
-            values, mask = [rest_v], lay.rest_mask
+            W = ck.shape[1] - sinks
+            ring_pos, chunk_pos = lay.rest_k_pos[:, :W], lay.rest_k_pos[:, W:]
+            q_rest = rope(q, lay.rest_q_pos)
+            scores = [_scores(q_rest, rope(ck[:, sinks:], ring_pos), cfg),  # ring: [B,..,T,W]
+                      _scores(q_rest, rope(k, chunk_pos), cfg)]  # this chunk: [B,..,T,T]
+            values, mask = [cv[:, sinks:], v], lay.rest_mask
             if sinks:
                 sink_k = kvc.merge_sinks(ck, k, lay, sinks)  # [B, S, KVH, Dh]
                 sink_v = kvc.merge_sinks(cv, v, lay, sinks)

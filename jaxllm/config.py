@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Literal
 
 FAMILIES = ("gpt_neox", "llama")
@@ -94,9 +93,6 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; known: {sorted(known)}")
         return cls(**d)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
 BYTE_VOCAB = 264  # 256 bytes + specials (see tokenizer.ByteTokenizer), padded to a multiple of 8

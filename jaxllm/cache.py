@@ -98,7 +98,8 @@ class ChunkLayout(NamedTuple):
     sink_mask: Bool[Array, "b t s"]  # query c may attend to sink j
     sink_q_pos: Int[Array, "b t"]  # in-cache query position min(t, S+W-1)
     rest_mask: Bool[Array, "b t l"]  # l = W ring slots then T chunk tokens
-    rest_k_pos: Int[Array, "b l"]  # -d for ring keys, c' for chunk keys
+    ring_k_pos: Int[Array, "b w"]  # -d: the ring key d tokens before the chunk
+    chunk_k_pos: Int[Array, "b t"]  # c': chunk offset of each chunk key
     rest_q_pos: Int[Array, "b t"]  # chunk offset c
     write_slot: Int[Array, "b t"]  # cache slot of each chunk token kept; S+W means dropped
     new_length: Int[Array, " b"]
@@ -136,7 +137,6 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     chunk_mask = nonsink[:, None, :] & causal  # [B, T, T]
 
     rest_mask = jnp.concatenate([jnp.broadcast_to(ring_mask, (B, T, W)), chunk_mask], axis=-1)
-    rest_k_pos = jnp.concatenate([-d, jnp.broadcast_to(cp, (B, T))], axis=-1)
     rest_q_pos = jnp.broadcast_to(c, (B, T))
 
     # Writes: the sinks are set from sink_from_chunk; of the non-sink tokens only the last W of
@@ -150,7 +150,7 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     new_length = jnp.minimum(length + lens, S + W)[:, 0]
     overflow = (length + lens > S + W)[:, 0] if not cache.evict else jnp.zeros((B,), bool)
     return ChunkLayout(sink_from_chunk, sink_chunk_idx, sink_mask, sink_q_pos, rest_mask,
-                       rest_k_pos, rest_q_pos, write_slot, new_length, new_head, overflow)
+                       -d, jnp.broadcast_to(cp, (B, T)), rest_q_pos, write_slot, new_length, new_head, overflow)
 
 
 def merge_sinks(cache_k: Float[Array, "b c n h"], chunk_k: Float[Array, "b t n h"],

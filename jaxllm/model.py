@@ -112,11 +112,9 @@ class Attention(nn.Module):
             # What is attended to is exactly what is cached (same dtype), so a chunk and the
             # token-by-token process see identical keys even with a bfloat16 cache.
             k, v = k.astype(ck.dtype), v.astype(cv.dtype)
-            W = ck.shape[1] - sinks
-            ring_pos, chunk_pos = lay.rest_k_pos[:, :W], lay.rest_k_pos[:, W:]
             q_rest = rope(q, lay.rest_q_pos)
-            scores = [_scores(q_rest, rope(ck[:, sinks:], ring_pos), cfg),  # ring: [B,..,T,W]
-                      _scores(q_rest, rope(k, chunk_pos), cfg)]  # this chunk: [B,..,T,T]
+            scores = [_scores(q_rest, rope(ck[:, sinks:], lay.ring_k_pos), cfg),  # [B,..,T,W]
+                      _scores(q_rest, rope(k, lay.chunk_k_pos), cfg)]  # this chunk: [B,..,T,T]
             values, mask = [cv[:, sinks:], v], lay.rest_mask
             if sinks:
                 sink_k = kvc.merge_sinks(ck, k, lay, sinks)  # [B, S, KVH, Dh]

@@ -21,6 +21,24 @@ import jaxllm  # noqa: E402
 from jaxllm.model import _forward  # noqa: E402
 
 
+def bandwidth_line() -> str:
+    """This machine's memory bandwidth in and out of CPU cache: a decode step reads the whole
+    KV cache several times (rotate keys, score, weight values), so once the cache outgrows the
+    last-level cache the step time follows DRAM bandwidth."""
+    out = []
+    for mib in (4, 64):
+        x = jnp.ones((mib * 2**18,), jnp.float32)
+        f = jax.jit(lambda x: x * 1.5)
+        f(x).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            y = f(x)
+        y.block_until_ready()
+        secs = (time.perf_counter() - t0) / 20
+        out.append(f"{mib} MiB: {2 * mib / 1024 / secs:.1f} GB/s")
+    return "Streaming bandwidth (x * 1.5, read + write): " + ", ".join(out) + "."
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="pythia-14m")
@@ -33,7 +51,8 @@ def main():
     cfg = jaxllm.PRESETS[a.preset]
     params = jaxllm.init_params(cfg, jax.random.key(0))
     step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
-    lines = ["| batch | cache | ms/step | tokens/s |", "|---:|---|---:|---:|"]
+    lines = ["| batch | cache | K+V cache (MiB) | ms/step | tokens/s | cache bytes / step time |",
+             "|---:|---|---:|---:|---:|---:|"]
     for B in [int(b) for b in a.batch.split(",")]:
         cache = jaxllm.init_cache(cfg, B, a.sinks, a.cache - a.sinks)
         tok, lens = jnp.ones((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)
@@ -45,8 +64,10 @@ def main():
             logits, cache = step(params, tokens=tok, cache=cache, lens=lens)
         logits.block_until_ready()
         ms = (time.perf_counter() - t0) / a.steps * 1e3
-        lines.append(f"| {B} | {a.sinks}+{a.cache - a.sinks} | {ms:.2f} | {B * 1e3 / ms:.0f} |")
-    table = "\n".join(lines)
+        mib = sum(x.nbytes for x in cache.k + cache.v) / 2**20
+        lines.append(f"| {B} | {a.sinks}+{a.cache - a.sinks} | {mib:.0f} | {ms:.2f} | "
+                     f"{B * 1e3 / ms:.0f} | {mib / 1024 / (ms / 1e3):.1f} GB/s |")
+    table = "\n".join(lines) + "\n\n" + bandwidth_line()
     if a.no_record:
         print(table)
     else:

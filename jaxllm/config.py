@@ -2,26 +2,66 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Optional
 
-FAMILIES = ("gpt_neox", "llama")
+FAMILIES = ("gpt_neox", "llama", "mistral", "falcon", "mpt", "opt")
+MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
+POSITIONS = ("rope", "alibi", "learned")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling for context extension (the ``rope_scaling`` of HF Llama configs).
+
+    * ``linear``: positions divided by ``factor`` (inverse frequencies divided by ``factor``).
+    * ``dynamic`` (NTK): when a sequence is longer than ``original_max_len`` the base becomes
+      ``theta * (factor * L / original_max_len - (factor - 1)) ** (d / (d - 2))``, L the sequence
+      length. jaxllm takes L per row as the in-cache length after the current chunk and, because
+      keys are cached before RoPE, applies the new base to every key (transformers' cached
+      generate keeps keys rotated with earlier bases; its uncached forward agrees with ours).
+    * ``llama3``: Llama 3.1's per-frequency rule: wavelengths above
+      ``original_max_len / low_freq_factor`` are divided by ``factor``, below
+      ``original_max_len / high_freq_factor`` kept, and smoothly interpolated between.
+    """
+
+    kind: Literal["linear", "dynamic", "llama3"]
+    factor: float
+    original_max_len: int = 0  # dynamic, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "dynamic", "llama3"):
+            raise ValueError(f"unknown rope scaling {self.kind!r}; supported: linear, dynamic, "
+                             f"llama3")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.kind != "linear" and self.original_max_len < 1:
+            raise ValueError(f"{self.kind} rope scaling needs original_max_len (the pre-training "
+                             f"context length)")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer.
 
-    Two families share one code path; the fields below are the switches that tell them apart:
+    All families share one code path; these fields are the switches that tell them apart (use the
+    family constructors, e.g. :meth:`gpt_neox` / :meth:`llama`, for the defaults):
 
-    * ``gpt_neox`` (Pythia): LayerNorm with bias, biases everywhere, GELU MLP, rotary on
-      ``rotary_pct`` of each head's dims, parallel residual (optional), untied embeddings.
-    * ``llama`` (Llama / Mistral): RMSNorm, no biases, SwiGLU MLP, grouped-query attention
-      (``num_kv_heads`` < ``num_heads``), full rotary with ``rope_theta``, optionally tied embeddings.
-
-    Use :meth:`gpt_neox` / :meth:`llama` to get the family defaults and override what differs.
+    * ``gpt_neox`` (Pythia): LayerNorm, biases, GELU, rotary on ``rotary_pct`` of each head,
+      parallel residual, untied embeddings.
+    * ``llama`` / ``mistral``: RMSNorm, no biases, SwiGLU, grouped-query attention, full rotary,
+      ``rope_scaling``; Mistral adds ``sliding_window``.
+    * ``falcon``: LayerNorm, parallel attention and MLP (two norms, or one ``shared_norm``),
+      multi-query or grouped KV heads, GELU, tied embeddings.
+    * ``mpt``: ALiBi (``pos_emb="alibi"``), no biases anywhere (``norm_bias=False``), optional
+      ``qkv_clip``, tied embeddings.
+    * ``opt``: learned absolute positions (``pos_emb="learned"``), ReLU, pre- or post-LayerNorm
+      (``pre_norm``), ``embed_dim`` < ``hidden_size`` adds project_in/out. Absolute positions
+      mean OPT runs with dense caches only.
     """
 
-    family: Literal["gpt_neox", "llama"]
+    family: Literal["gpt_neox", "llama", "mistral", "falcon", "mpt", "opt"]
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -31,20 +71,38 @@ class ModelConfig:
     head_dim: int = 0  # 0: hidden_size // num_heads
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    norm_bias: bool = True  # LayerNorm has a bias (MPT's have none)
+    pre_norm: bool = True  # x + f(LN x); False: LN(x + f(x)) (OPT-350m)
+    final_norm: bool = True  # a norm after the last block
+    shared_norm: bool = False  # parallel residual reading one norm: x + Attn(LN x) + MLP(LN x)
+    mlp: Literal["gelu", "gelu_tanh", "relu", "swiglu"] = "gelu"
     attn_bias: bool = True
     mlp_bias: bool = True
     parallel_residual: bool = True
+    pos_emb: Literal["rope", "alibi", "learned"] = "rope"
     rotary_pct: float = 1.0
     rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    alibi_bias_max: float = 8.0  # ALiBi slopes 2^(-alibi_bias_max * h / H') (MPT)
+    sliding_window: int = 0  # >0: a token sees only the last `sliding_window` keys (Mistral)
+    qkv_clip: float = 0.0  # >0: clamp q, k, v projections to [-qkv_clip, qkv_clip] (MPT)
+    embed_dim: int = 0  # token embedding width; 0: hidden_size (OPT word_embed_proj_dim)
     tie_embeddings: bool = False
-    max_seq_len: int = 2048  # pre-training context; informational (streaming has no limit)
+    max_seq_len: int = 2048  # pre-training context (the size of a learned position table)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
     init_std: float = 0.02
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown family {self.family!r}; supported: {', '.join(FAMILIES)}")
+        def choice(name, options):
+            if getattr(self, name) not in options:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; supported: "
+                                 f"{', '.join(options)}")
+        choice("family", FAMILIES)
+        choice("mlp", MLPS)
+        choice("pos_emb", POSITIONS)
+        choice("norm", ("layernorm", "rmsnorm"))
+        if isinstance(self.rope_scaling, dict):  # from JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -58,29 +116,43 @@ class ModelConfig:
             raise ValueError(f"rotary_pct must lie in [0, 1], got {self.rotary_pct}")
         if self.rotary_dim % 2:
             raise ValueError(f"rotary dims (head_dim * rotary_pct = {self.rotary_dim}) must be even")
+        if self.sliding_window < 0 or self.qkv_clip < 0:
+            raise ValueError("sliding_window and qkv_clip must be >= 0 (0 disables them)")
+        if self.shared_norm and not self.parallel_residual:
+            raise ValueError("shared_norm applies to a parallel residual block only")
+        if self.parallel_residual and not self.pre_norm:
+            raise ValueError("a parallel residual block needs pre_norm=True (post-LN is sequential)")
+
+    @property
+    def embedding_dim(self) -> int:
+        """Width of the token embedding (``embed_dim``, or ``hidden_size`` when 0)."""
+        return self.embed_dim or self.hidden_size
 
     @property
     def rotary_dim(self) -> int:
         """Number of leading head dims that rotary embeddings rotate (GPT-NeoX ``rotary_ndims``)."""
-        return int(self.head_dim * self.rotary_pct)
+        return int(self.head_dim * self.rotary_pct) if self.pos_emb == "rope" else 0
 
     # ---- family constructors -------------------------------------------------------------
     @classmethod
-    def gpt_neox(cls, **kw) -> "ModelConfig":
-        base = dict(family="gpt_neox", norm="layernorm", mlp="gelu", attn_bias=True,
-                    mlp_bias=True, parallel_residual=True, rotary_pct=0.25, tie_embeddings=False)
+    def of_family(cls, family: str, **kw) -> "ModelConfig":
+        """The family's defaults (``FAMILY_DEFAULTS``) overridden by ``kw``; ``num_kv_heads``
+        defaults to ``num_heads`` and ``intermediate_size`` to 4x hidden."""
+        if family not in FAMILY_DEFAULTS:
+            raise ValueError(f"unknown family {family!r}; supported: {', '.join(FAMILIES)}")
+        base = dict(FAMILY_DEFAULTS[family], family=family)
         base.update(kw)
         base.setdefault("num_kv_heads", base["num_heads"])
         base.setdefault("intermediate_size", 4 * base["hidden_size"])
         return cls(**base)
 
     @classmethod
+    def gpt_neox(cls, **kw) -> "ModelConfig":
+        return cls.of_family("gpt_neox", **kw)
+
+    @classmethod
     def llama(cls, **kw) -> "ModelConfig":
-        base = dict(family="llama", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", attn_bias=False,
-                    mlp_bias=False, parallel_residual=False, rotary_pct=1.0, tie_embeddings=False)
-        base.update(kw)
-        base.setdefault("num_kv_heads", base["num_heads"])
-        return cls(**base)
+        return cls.of_family("llama", **kw)
 
     # ---- (de)serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -93,6 +165,19 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; known: {sorted(known)}")
         return cls(**d)
+
+
+_LLAMA = dict(norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", attn_bias=False, mlp_bias=False,
+              parallel_residual=False)
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "gpt_neox": dict(rotary_pct=0.25),
+    "llama": _LLAMA,
+    "mistral": dict(_LLAMA, sliding_window=4096),
+    "falcon": dict(attn_bias=False, mlp_bias=False, tie_embeddings=True),
+    "mpt": dict(pos_emb="alibi", norm_bias=False, attn_bias=False, mlp_bias=False,
+                parallel_residual=False, tie_embeddings=True),
+    "opt": dict(pos_emb="learned", mlp="relu", parallel_residual=False, tie_embeddings=True),
+}
 
 
 BYTE_VOCAB = 264  # 256 bytes + specials (see tokenizer.ByteTokenizer), padded to a multiple of 8

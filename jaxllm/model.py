@@ -7,11 +7,12 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from . import cache as kvc
 from .config import ModelConfig
-from .rope import apply_rope
+from .rope import apply_rope, inv_freq
 
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
@@ -43,6 +44,7 @@ class Norm(nn.Module):
 
     kind: str
     eps: float
+    use_bias: bool = True  # LayerNorm only
 
     @nn.compact
     def __call__(self, x):
@@ -54,7 +56,8 @@ class Norm(nn.Module):
             mu = jnp.mean(xf, -1, keepdims=True)
             var = jnp.mean(jnp.square(xf - mu), -1, keepdims=True)
             y = (xf - mu) * jax.lax.rsqrt(var + self.eps) * scale
-            y = y + self.param("bias", nn.initializers.zeros, (x.shape[-1],))
+            if self.use_bias:
+                y = y + self.param("bias", nn.initializers.zeros, (x.shape[-1],))
         return y.astype(x.dtype)
 
 
@@ -85,42 +88,77 @@ def _scores(q, k, cfg: ModelConfig):
     return jnp.einsum("btkgh,bskh->bkgts", q, k.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
 
 
+def alibi_slopes(num_heads: int, bias_max: float) -> np.ndarray:
+    """ALiBi slope per head (Press et al. 2022, as MPT builds them): 2^(-bias_max * i / H') for
+    i = 1..H', H' the next power of two; for other head counts the odd then even entries."""
+    n2 = 2 ** math.ceil(math.log2(num_heads))
+    slopes = 1.0 / 2.0 ** (np.arange(1, n2 + 1) * (bias_max / n2))
+    if n2 != num_heads:
+        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes.astype(np.float32)
+
+
+def _part_scores(q, q_pos, k, k_pos, freq, cfg: ModelConfig):
+    """Scores of queries at ``q_pos`` [B, T] against keys at ``k_pos`` [B, L], positions being
+    in-cache positions: RoPE rotates both; ALiBi subtracts slope * (q_pos - k_pos), the contiguous
+    in-cache distance (REFERENCE §1); learned absolute positions were added to the input."""
+    if cfg.pos_emb == "rope":
+        q, k = apply_rope(q, q_pos, freq), apply_rope(k, k_pos, freq)
+    s = _scores(q, k, cfg)  # [B, KVH, G, T, L]
+    if cfg.pos_emb == "alibi":
+        G = cfg.num_heads // cfg.num_kv_heads
+        slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(cfg.num_kv_heads, G)
+        dist = (q_pos[:, :, None] - k_pos[:, None, :]).astype(jnp.float32)  # [B, T, L]
+        s = s - slopes[None, :, :, None, None] * dist[:, None, None]
+    return s
+
+
+def _within_window(q_pos, k_pos, cfg: ModelConfig):
+    """Mistral's sliding window: a query sees keys less than ``sliding_window`` positions back."""
+    if not cfg.sliding_window:
+        return True
+    return q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window  # [B, T, L]
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, lay: Optional[kvc.ChunkLayout], sinks: int):
+    def __call__(self, x, layer_cache, lay: Optional[kvc.ChunkLayout], sinks: int, freq):
         cfg = self.cfg
         B, T, _ = x.shape
         dt = _dtype(cfg)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        dense = lambda n, name, std=cfg.init_std: Linear(n, cfg.attn_bias, std, dt, name=name)
-        q = dense(cfg.num_heads * cfg.head_dim, "q")(x).reshape(B, T, cfg.num_heads, cfg.head_dim)
-        k = dense(cfg.num_kv_heads * cfg.head_dim, "k")(x).reshape(
-            B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = dense(cfg.num_kv_heads * cfg.head_dim, "v")(x).reshape(
-            B, T, cfg.num_kv_heads, cfg.head_dim)
-        rope = lambda t, pos: apply_rope(t, pos, cfg.rotary_dim, cfg.rope_theta)
+
+        def proj(heads, name):
+            y = Linear(heads * cfg.head_dim, cfg.attn_bias, cfg.init_std, dt, name=name)(x)
+            if cfg.qkv_clip:
+                y = jnp.clip(y, -cfg.qkv_clip, cfg.qkv_clip)
+            return y.reshape(B, T, heads, cfg.head_dim)  # [B, T, heads, Dh]
+
+        q, k, v = proj(cfg.num_heads, "q"), proj(cfg.num_kv_heads, "k"), proj(cfg.num_kv_heads, "v")
 
         if lay is None:  # plain causal forward, positions 0..T-1
             pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-            mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-            ctx = _attend([_scores(rope(q, pos), rope(k, pos), cfg)], [v], mask, cfg)
+            mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
+            ctx = _attend([_part_scores(q, pos, k, pos, freq, cfg)], [v], mask, cfg)
             new_cache = None
         else:
             ck, cv = layer_cache
             # What is attended to is exactly what is cached (same dtype), so a chunk and the
             # token-by-token process see identical keys even with a bfloat16 cache.
             k, v = k.astype(ck.dtype), v.astype(cv.dtype)
-            q_rest = rope(q, lay.rest_q_pos)
-            scores = [_scores(q_rest, rope(ck[:, sinks:], lay.ring_k_pos), cfg),  # [B,..,T,W]
-                      _scores(q_rest, rope(k, lay.chunk_k_pos), cfg)]  # this chunk: [B,..,T,T]
-            values, mask = [cv[:, sinks:], v], lay.rest_mask
+            qp = lay.rest_q_pos
+            scores = [_part_scores(q, qp, ck[:, sinks:], lay.ring_k_pos, freq, cfg),  # ring [.., W]
+                      _part_scores(q, qp, k, lay.chunk_k_pos, freq, cfg)]  # this chunk [.., T]
+            values = [cv[:, sinks:], v]
+            rest_k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
+            mask = lay.rest_mask & _within_window(qp, rest_k_pos, cfg)
             if sinks:
                 sink_k = kvc.merge_sinks(ck, k, lay, sinks)  # [B, S, KVH, Dh]
                 sink_v = kvc.merge_sinks(cv, v, lay, sinks)
                 sink_pos = jnp.broadcast_to(jnp.arange(sinks), (B, sinks))
-                scores.insert(0, _scores(rope(q, lay.sink_q_pos), rope(sink_k, sink_pos), cfg))
+                scores.insert(0, _part_scores(q, lay.sink_q_pos, sink_k, sink_pos, freq, cfg))
                 values.insert(0, sink_v)
                 mask = jnp.concatenate([lay.sink_mask, mask], axis=-1)
             else:
@@ -132,6 +170,11 @@ class Attention(nn.Module):
         return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
 
 
+ACTIVATIONS = {"gelu": lambda h: jax.nn.gelu(h, approximate=False),
+               "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
+               "relu": jax.nn.relu}
+
+
 class MLP(nn.Module):
     cfg: ModelConfig
 
@@ -139,13 +182,12 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg, dt = self.cfg, _dtype(self.cfg)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        up = Linear(cfg.intermediate_size, cfg.mlp_bias, cfg.init_std, dt, name="up")
         if cfg.mlp == "swiglu":
             gate = Linear(cfg.intermediate_size, cfg.mlp_bias, cfg.init_std, dt, name="gate")(x)
-            up = Linear(cfg.intermediate_size, cfg.mlp_bias, cfg.init_std, dt, name="up")(x)
-            h = jax.nn.silu(gate) * up
+            h = jax.nn.silu(gate) * up(x)
         else:
-            h = jax.nn.gelu(Linear(cfg.intermediate_size, cfg.mlp_bias, cfg.init_std, dt,
-                                   name="up")(x), approximate=False)
+            h = ACTIVATIONS[cfg.mlp](up(x))
         return Linear(cfg.hidden_size, cfg.mlp_bias, out_std, dt, name="down")(h)
 
 
@@ -153,15 +195,22 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, lay, sinks: int):
+    def __call__(self, x, layer_cache, lay, sinks: int, freq):
         cfg = self.cfg
-        ln1 = Norm(cfg.norm, cfg.norm_eps, name="ln_attn")
-        ln2 = Norm(cfg.norm, cfg.norm_eps, name="ln_mlp")
-        attn, new_cache = Attention(cfg, name="attn")(ln1(x), layer_cache, lay, sinks)
-        if cfg.parallel_residual:  # x + Attn(LN1 x) + MLP(LN2 x)
-            return x + attn + MLP(cfg, name="mlp")(ln2(x)), new_cache
-        h = x + attn
-        return h + MLP(cfg, name="mlp")(ln2(h)), new_cache
+        ln1 = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_attn")
+        ln2 = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_mlp")
+        attn = Attention(cfg, name="attn")
+        mlp = MLP(cfg, name="mlp")
+        if not cfg.pre_norm:  # post-LN (OPT-350m): normalise after each residual add
+            a, new_cache = attn(x, layer_cache, lay, sinks, freq)
+            h = ln1(x + a)
+            return ln2(h + mlp(h)), new_cache
+        h1 = ln1(x)
+        a, new_cache = attn(h1, layer_cache, lay, sinks, freq)
+        if cfg.parallel_residual:  # x + Attn(LN1 x) + MLP(LN2 x), or one shared LN (Falcon-7B)
+            return x + a + mlp(h1 if cfg.shared_norm else ln2(x)), new_cache
+        h = x + a
+        return h + mlp(ln2(h)), new_cache
 
 
 class Transformer(nn.Module):
@@ -170,22 +219,38 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens, cache: Optional[kvc.KVCache], lay: Optional[kvc.ChunkLayout]):
         cfg = self.cfg
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size,
+        B, T = tokens.shape
+        dt = _dtype(cfg)
+        embed = nn.Embed(cfg.vocab_size, cfg.embedding_dim,
                          embedding_init=nn.initializers.normal(cfg.init_std), name="embed")
-        x = embed(tokens).astype(_dtype(cfg))
+        x = embed(tokens).astype(dt)
+        if cfg.embedding_dim != cfg.hidden_size:  # OPT: embeddings narrower than the model
+            x = Linear(cfg.hidden_size, False, cfg.init_std, dt, name="project_in")(x)
+        if cfg.pos_emb == "learned":  # absolute positions (dense caches only, see check_chunk)
+            pos = jnp.arange(T)[None] + (0 if cache is None else cache.length[:, None])
+            pos = jnp.minimum(pos, cfg.max_seq_len - 1)  # padding past the table is never read
+            x = x + nn.Embed(cfg.max_seq_len, cfg.hidden_size,
+                             embedding_init=nn.initializers.normal(cfg.init_std),
+                             name="pos_embed")(pos).astype(dt)
+        # RoPE frequencies once per forward; only dynamic NTK scaling depends on the length.
+        seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.new_length
+        freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
         new_k, new_v = [], []
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer])
             x, nc = Block(cfg, name=f"layer_{layer}")(
-                x, layer_cache, lay, 0 if cache is None else cache.sinks)
+                x, layer_cache, lay, 0 if cache is None else cache.sinks, freq)
             if nc is not None:
                 new_k.append(nc[0])
                 new_v.append(nc[1])
-        x = Norm(cfg.norm, cfg.norm_eps, name="ln_final")(x)
+        if cfg.final_norm:
+            x = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_final")(x)
+        if cfg.embedding_dim != cfg.hidden_size:
+            x = Linear(cfg.embedding_dim, False, cfg.init_std, dt, name="project_out")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x.astype(jnp.float32))
         else:
-            logits = Linear(cfg.vocab_size, False, cfg.init_std, _dtype(cfg), name="lm_head")(x)
+            logits = Linear(cfg.vocab_size, False, cfg.init_std, dt, name="lm_head")(x)
         return logits.astype(jnp.float32), (tuple(new_k), tuple(new_v))
 
 
@@ -214,6 +279,21 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def _check_absolute_positions(cfg: ModelConfig, T: int, cache: Optional[kvc.KVCache]) -> None:
+    """Learned absolute positions (OPT) exist only for 0..max_seq_len-1 of the text."""
+    if cache is not None and (cache.evict or cache.sinks):
+        raise ValueError(
+            f"{cfg.family} has learned absolute position embeddings, so it cannot stream: a "
+            f"window or StreamingLLM cache renumbers tokens by their place in the cache, positions "
+            f"this model never learned to read. Use a dense cache "
+            f"(init_cache(cfg, B, sinks=0, window=L, evict=False), L <= {cfg.max_seq_len}) or a "
+            f"RoPE/ALiBi model for streaming")
+    n = T if cache is None else cache.capacity
+    if n > cfg.max_seq_len:
+        raise ValueError(f"{cfg.family} has learned positions for {cfg.max_seq_len} tokens; "
+                         f"{'this sequence has' if cache is None else 'the dense cache holds'} {n}")
+
+
 def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths) -> jax.Array:
     """Validate a forward call's inputs; returns per-row valid lengths [B] (int32)."""
     if tokens.ndim != 2:
@@ -232,6 +312,8 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
             if lo < 0 or hi > T:
                 raise ValueError(f"lengths must lie in [0, {T}] (valid tokens per row of this "
                                  f"chunk), got values in [{lo}, {hi}]")
+    if cfg.pos_emb == "learned":
+        _check_absolute_positions(cfg, T, cache)
     if cache is None:
         if lengths is not None:
             raise ValueError("lengths (right padding) only applies to a forward with a cache; "

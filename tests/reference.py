@@ -19,7 +19,7 @@ def _norm(x, p, cfg):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * p["scale"]
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + cfg.norm_eps) * p["scale"] + p["bias"]
+    return (x - mu) / np.sqrt(var + cfg.norm_eps) * p["scale"] + p.get("bias", 0.0)
 
 
 def _lin(x, p):
@@ -32,26 +32,65 @@ def _gelu(x):
     return 0.5 * x * (1 + np.vectorize(erf)(x / math.sqrt(2)))
 
 
-def _rope(x, pos, cfg):
-    """x [n, heads, hd] rotated to positions pos [n]: rotate-half on the first rotary_dim dims."""
+def _inv_freq(cfg, seq_len):
+    """RoPE inverse frequencies from the formulas (REFERENCE §5; Llama 3.1 for llama3)."""
+    r, s, theta = cfg.rotary_dim, cfg.rope_scaling, cfg.rope_theta
+    if s is not None and s.kind == "dynamic" and seq_len > s.original_max_len:
+        theta = theta * (s.factor * seq_len / s.original_max_len - (s.factor - 1)) ** (r / (r - 2))
+    inv = 1.0 / theta ** (np.arange(0, r, 2) / r)
+    if s is None or s.kind == "dynamic":
+        return inv
+    if s.kind == "linear":
+        return inv / s.factor
+    out = []
+    for f in inv:  # llama3, one frequency at a time
+        wavelen = 2 * math.pi / f
+        if wavelen < s.original_max_len / s.high_freq_factor:
+            out.append(f)
+        elif wavelen > s.original_max_len / s.low_freq_factor:
+            out.append(f / s.factor)
+        else:
+            a = (s.original_max_len / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            out.append((1 - a) * f / s.factor + a * f)
+    return np.asarray(out)
+
+
+def _rope(x, pos, cfg, seq_len):
+    """x [n, heads, hd] rotated to positions pos [n]: rotate-half on the first rotary_dim dims;
+    seq_len is the in-cache length (dynamic NTK scaling reads it)."""
     r = cfg.rotary_dim
     if r == 0:
         return x
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, r, 2) / r)
+    inv = _inv_freq(cfg, seq_len)
     ang = np.asarray(pos, np.float64)[:, None] * inv  # [n, r/2]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     x1, x2 = x[..., : r // 2], x[..., r // 2: r]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., r:]], -1)
 
 
-def _attn_out(q, ks, vs, q_pos, k_pos, cfg):
-    """One query [H, hd] over keys/values [n, KVH, hd] at the given positions."""
+def _slope(h, H, bias_max):
+    """ALiBi slope of head h (0-based): geometric in 2^(-bias_max/H') over the next power of two
+    H' >= H; for H < H', the odd-numbered slopes of H' first, then the even ones."""
+    n2 = 1 << (H - 1).bit_length()
+    all_slopes = [2.0 ** (-bias_max * (i + 1) / n2) for i in range(n2)]
+    return (all_slopes[1::2] + all_slopes[::2])[h] if n2 != H else all_slopes[h]
+
+
+def _attn_out(q, ks, vs, q_pos, k_pos, cfg, sinks=0):
+    """One query [H, hd] over keys/values [n, KVH, hd] at the given in-cache positions; the
+    first ``sinks`` keys are exempt from a sliding window."""
     G = cfg.num_heads // cfg.num_kv_heads
-    qr = _rope(q[None], [q_pos], cfg)[0]
-    kr = _rope(ks, k_pos, cfg)
+    qr = _rope(q[None], [q_pos], cfg, len(ks))[0]
+    kr = _rope(ks, k_pos, cfg, len(ks))
+    dist = q_pos - np.asarray(k_pos, np.float64)
     out = np.zeros_like(q)
     for h in range(cfg.num_heads):
         s = kr[:, h // G] @ qr[h] / math.sqrt(cfg.head_dim)
+        if cfg.pos_emb == "alibi":
+            s = s - _slope(h, cfg.num_heads, cfg.alibi_bias_max) * dist
+        if cfg.sliding_window:
+            s = np.where((dist >= cfg.sliding_window) & (np.arange(len(s)) >= sinks), -np.inf, s)
         w = np.exp(s - s.max())
         out[h] = (w / w.sum()) @ vs[:, h // G]
     return out
@@ -64,6 +103,8 @@ class NaiveStream:
     """
 
     def __init__(self, params, cfg, sinks=0, window=None):
+        if cfg.pos_emb == "learned" or not cfg.pre_norm or cfg.embedding_dim != cfg.hidden_size:
+            raise NotImplementedError("the naive stream covers RoPE/ALiBi pre-norm models")
         self.p, self.cfg, self.S, self.W = _np(params), cfg, sinks, window
         self.kept = []  # stream indices of kept tokens
         self.kv = [[] for _ in range(cfg.num_layers)]  # per layer: list of (k, v) pre-RoPE
@@ -80,19 +121,22 @@ class NaiveStream:
         for li in range(cfg.num_layers):
             lp = p[f"layer_{li}"]
             h = _norm(x, lp["ln_attn"], cfg)
-            q = _lin(h, lp["attn"]["q"]).reshape(cfg.num_heads, cfg.head_dim)
-            k = _lin(h, lp["attn"]["k"]).reshape(cfg.num_kv_heads, cfg.head_dim)
-            v = _lin(h, lp["attn"]["v"]).reshape(cfg.num_kv_heads, cfg.head_dim)
+            clip = (lambda y: np.clip(y, -cfg.qkv_clip, cfg.qkv_clip)) if cfg.qkv_clip else (
+                lambda y: y)
+            q = clip(_lin(h, lp["attn"]["q"])).reshape(cfg.num_heads, cfg.head_dim)
+            k = clip(_lin(h, lp["attn"]["k"])).reshape(cfg.num_kv_heads, cfg.head_dim)
+            v = clip(_lin(h, lp["attn"]["v"])).reshape(cfg.num_kv_heads, cfg.head_dim)
             self.kv[li].append((k, v))
             if trim:  # evict the oldest non-sink token
                 del self.kv[li][self.S]
             ks = np.stack([a for a, _ in self.kv[li]])
             vs = np.stack([b for _, b in self.kv[li]])
             n = len(ks)
-            a = _attn_out(q, ks, vs, n - 1, np.arange(n), cfg).reshape(-1)
+            a = _attn_out(q, ks, vs, n - 1, np.arange(n), cfg, self.S).reshape(-1)
             a = _lin(a, lp["attn"]["o"])
-            m_in = _norm(x, lp["ln_mlp"], cfg) if cfg.parallel_residual else None
-            if not cfg.parallel_residual:
+            if cfg.parallel_residual:
+                m_in = h if cfg.shared_norm else _norm(x, lp["ln_mlp"], cfg)
+            else:
                 x = x + a
                 m_in = _norm(x, lp["ln_mlp"], cfg)
             mp = lp["mlp"]
@@ -100,7 +144,11 @@ class NaiveStream:
                 g = _lin(m_in, mp["gate"])
                 m = _lin((g / (1 + np.exp(-g))) * _lin(m_in, mp["up"]), mp["down"])
             else:
-                m = _lin(_gelu(_lin(m_in, mp["up"])), mp["down"])
+                u = _lin(m_in, mp["up"])
+                act = {"gelu": _gelu, "relu": lambda y: np.maximum(y, 0),
+                       "gelu_tanh": lambda y: 0.5 * y * (1 + np.tanh(
+                           math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3)))}[cfg.mlp]
+                m = _lin(act(u), mp["down"])
             x = x + a + m if cfg.parallel_residual else x + m
         x = _norm(x, p["ln_final"], cfg)
         head = p["embed"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"]

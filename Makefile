@@ -12,9 +12,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The converter tests compare against transformers' PyTorch models; the library never needs torch.
+TORCH_STAMP := $(VENV)/.torch-stamp
+$(TORCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q "torch==2.13.0"
+	touch $(TORCH_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
+test: $(TORCH_STAMP)
 	$(PY) -m pytest
 
 # Streams the embedded corpus (Python's own docs) through StreamingLLM and window attention.

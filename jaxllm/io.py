@@ -1,14 +1,19 @@
-"""Model files: a jaxllm model directory is ``config.json`` + ``model.safetensors``.
+"""Model directories and where ``--model`` can point.
 
-``--model`` everywhere accepts such a directory or ``random:PRESET[:SEED]`` (random weights of a
-preset architecture from ``jaxllm.PRESETS``, for smoke tests and benchmarks).
+A jaxllm model directory holds ``config.json`` (``{"model": ModelConfig, "tokenizer": ...,
+"format": ...}``) and the parameters, either as ``model.safetensors`` (small models, easy to ship)
+or as an orbax checkpoint under ``params/`` (large models, restorable straight into a sharding).
+``load_model`` also accepts a Hugging Face directory (converted on the fly, no torch) and
+``random:PRESET[:SEED]`` (random weights of a preset, for smoke tests and benchmarks).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +23,8 @@ from .config import PRESETS, ModelConfig
 from .model import init_params
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
+CONFIG, WEIGHTS, ORBAX_DIR, TOKENIZER_DIR = "config.json", "model.safetensors", "params", "tokenizer"
+FORMATS = ("safetensors", "orbax")
 
 
 def _flatten(tree, prefix=""):
@@ -40,19 +46,20 @@ def _unflatten(flat):
     return tree
 
 
-def save_model(path: str, cfg: ModelConfig, params, tokenizer: str = "byte") -> None:
-    """Write ``path/config.json`` and ``path/model.safetensors`` atomically (temp dir + rename):
-    an interrupted save never leaves a half-written model where a good one was."""
-    from safetensors.numpy import save_file
+@contextlib.contextmanager
+def atomic_dir(path: str):
+    """Yield a temporary directory next to ``path``; on success it replaces ``path`` (the old
+    one is deleted only after the rename), on failure it is removed and ``path`` is untouched."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    with open(os.path.join(tmp, CONFIG), "w") as f:
-        json.dump({"model": cfg.to_dict(), "tokenizer": tokenizer}, f, indent=2, sort_keys=True)
-    flat = {k: np.asarray(v) for k, v in _flatten(jax.device_get(params)).items()}
-    save_file(flat, os.path.join(tmp, WEIGHTS))
-    if os.path.exists(path):  # swap in the new one, then delete the old
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(path):
         old = tempfile.mkdtemp(prefix=".old-", dir=parent)
         os.rename(path, os.path.join(old, "m"))
         os.rename(tmp, path)
@@ -61,42 +68,135 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: str = "byte") -> 
         os.rename(tmp, path)
 
 
-def load_model(spec: str) -> tuple[ModelConfig, dict, Tokenizer]:
-    """``(cfg, params, tokenizer)`` from a model directory or ``random:PRESET[:SEED]``."""
+def save_model(path: str, cfg: ModelConfig, params, tokenizer: str = "byte",
+               format: str = "safetensors") -> None:
+    """Write a model directory atomically: an interrupted save never leaves a half-written
+    model where a good one was.
+
+    ``tokenizer``: ``"byte"`` or a directory with a Hugging Face tokenizer (copied in).
+    ``format``: ``"safetensors"`` or ``"orbax"`` (see the module docstring).
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    if tokenizer != "byte" and not os.path.isdir(tokenizer):
+        raise ValueError(f"tokenizer must be 'byte' or a tokenizer directory, got {tokenizer!r}")
+    with atomic_dir(path) as tmp:
+        tok_entry = "byte"
+        if tokenizer != "byte":
+            from convert.hf import TOKENIZER_FILES
+            os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
+            for name in TOKENIZER_FILES:
+                if os.path.exists(os.path.join(tokenizer, name)):
+                    shutil.copy(os.path.join(tokenizer, name), os.path.join(tmp, TOKENIZER_DIR))
+            tok_entry = TOKENIZER_DIR
+        with open(os.path.join(tmp, CONFIG), "w") as f:
+            json.dump({"model": cfg.to_dict(), "tokenizer": tok_entry, "format": format}, f,
+                      indent=2, sort_keys=True)
+        if format == "orbax":
+            import orbax.checkpoint as ocp
+            with ocp.StandardCheckpointer() as ckpt:
+                ckpt.save(os.path.join(tmp, ORBAX_DIR), params)
+        else:
+            from safetensors.numpy import save_file
+            flat = {k: np.asarray(v) for k, v in _flatten(jax.device_get(params)).items()}
+            save_file(flat, os.path.join(tmp, WEIGHTS))
+
+
+def _check_params(cfg: ModelConfig, flat: dict, where: str) -> None:
+    expect = _flatten(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    missing, extra = sorted(set(expect) - set(flat)), sorted(set(flat) - set(expect))
+    if missing or extra:
+        raise ValueError(f"{where} does not match its config: missing {missing}, extra {extra}")
+    for name, arr in flat.items():
+        if tuple(arr.shape) != expect[name].shape:
+            raise ValueError(f"{where}: tensor {name} has shape {tuple(arr.shape)}, the config "
+                             f"needs {expect[name].shape}")
+
+
+def _place(params, sharding):
+    """Put params on ``sharding`` (one Sharding for all leaves, or a matching pytree)."""
+    if sharding is None:
+        return jax.tree.map(jnp.asarray, params)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda a: jax.device_put(a, sharding), params)
+    return jax.tree.map(jax.device_put, params, sharding)
+
+
+def _load_random(spec: str):
+    _, name, *seed = spec.split(":")
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} in {spec!r}; presets: {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    params = init_params(cfg, jax.random.key(int(seed[0]) if seed else 0))
+    tok = ByteTokenizer() if cfg.vocab_size == ByteTokenizer.vocab_size else None
+    return cfg, params, tok
+
+
+def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+    """``(cfg, params, tokenizer)`` from a jaxllm model directory, a Hugging Face directory or
+    ``random:PRESET[:SEED]``. ``tokenizer`` is None when none ships with the model.
+
+    ``sharding``: a ``jax.sharding.Sharding`` for every parameter, or a pytree of them matching
+    the parameters; orbax checkpoints are restored straight into it.
+    """
     if spec.startswith("random:"):
-        _, name, *seed = spec.split(":")
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r} in {spec!r}; presets: {', '.join(PRESETS)}")
-        cfg = PRESETS[name]
-        params = init_params(cfg, jax.random.key(int(seed[0]) if seed else 0))
-        tok = ByteTokenizer() if cfg.vocab_size == ByteTokenizer.vocab_size else None
-        if tok is None:
-            raise ValueError(f"preset {name!r} has a {cfg.vocab_size}-token vocabulary and no "
-                             f"tokenizer ships with it; use it from Python, or a byte-level preset")
-        return cfg, params, tok
+        cfg, params, tok = _load_random(spec)
+        return cfg, _place(params, sharding), tok
     if not os.path.isdir(spec):
-        raise FileNotFoundError(f"--model {spec!r}: not a directory; give a jaxllm model directory "
-                                f"(config.json + model.safetensors) or random:PRESET")
-    cfg_path, w_path = os.path.join(spec, CONFIG), os.path.join(spec, WEIGHTS)
-    for p in (cfg_path, w_path):
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"{p} is missing: a jaxllm model directory holds {CONFIG} and "
-                                    f"{WEIGHTS} (write one with jaxllm.save_model)")
+        raise FileNotFoundError(f"--model {spec!r}: not a directory; give a jaxllm model "
+                                f"directory, a Hugging Face model directory or random:PRESET")
+    from convert.hf import has_tokenizer, is_hf_dir
+    if is_hf_dir(spec):
+        from convert.hf import from_hf
+        cfg, params = from_hf(spec)
+        tok = load_tokenizer(spec) if has_tokenizer(spec) else None
+        return cfg, _place(params, sharding), tok
+    cfg_path = os.path.join(spec, CONFIG)
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} is missing: a jaxllm model directory holds {CONFIG} "
+                                f"and its weights (write one with jaxllm.save_model)")
     with open(cfg_path) as f:
         meta = json.load(f)
+    if "model" not in meta:
+        raise ValueError(f"{cfg_path} is neither a jaxllm config (no 'model' key) nor a Hugging "
+                         f"Face one (no 'model_type')")
     cfg = ModelConfig.from_dict(meta["model"])
-    from safetensors.numpy import load_file
-    params = _unflatten(load_file(w_path))
-    expect = _flatten(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
-    got = _flatten(params)
-    missing, extra = sorted(set(expect) - set(got)), sorted(set(got) - set(expect))
-    if missing or extra:
-        raise ValueError(f"{w_path} does not match its config: missing {missing}, extra {extra}")
-    for name, arr in got.items():
-        if arr.shape != expect[name].shape:
-            raise ValueError(f"{w_path}: tensor {name} has shape {arr.shape}, the config needs "
-                             f"{expect[name].shape}")
+    fmt = meta.get("format", "safetensors")
+    if fmt == "orbax":
+        params = _restore_orbax(os.path.join(spec, ORBAX_DIR), sharding)
+        _check_params(cfg, _flatten(params), os.path.join(spec, ORBAX_DIR))
+    else:
+        w_path = os.path.join(spec, WEIGHTS)
+        if not os.path.exists(w_path):
+            raise FileNotFoundError(f"{w_path} is missing (write the model with "
+                                    f"jaxllm.save_model)")
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+        try:
+            flat = load_file(w_path)
+        except SafetensorError as e:
+            raise ValueError(f"{w_path} is not a valid safetensors file ({e})") from None
+        _check_params(cfg, flat, w_path)
+        params = _place(_unflatten(flat), sharding)
     tok_spec = meta.get("tokenizer", "byte")
     if tok_spec != "byte" and not os.path.isabs(tok_spec):
         tok_spec = os.path.join(spec, tok_spec)
-    return cfg, jax.tree.map(jnp.asarray, params), load_tokenizer(tok_spec)
+    return cfg, params, load_tokenizer(tok_spec)
+
+
+def _restore_orbax(path: str, sharding):
+    import orbax.checkpoint as ocp
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is missing: the orbax checkpoint of this model")
+    with ocp.StandardCheckpointer() as ckpt:
+        if sharding is None:
+            return ckpt.restore(path)
+        meta = ckpt.metadata(path).item_metadata.tree
+        shapes = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), meta)
+        if isinstance(sharding, jax.sharding.Sharding):
+            target = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+        else:
+            target = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
+        return ckpt.restore(path, target)

@@ -1,0 +1,238 @@
+"""Hugging Face checkpoints in and out, without torch.
+
+``from_hf`` reads a local HF directory (``config.json`` + ``*.safetensors``, sharded index
+supported) or an in-memory ``transformers`` model; ``to_hf`` writes a GPT-NeoX / Llama / Mistral
+directory that ``AutoModelForCausalLM.from_pretrained`` loads. Nothing here executes remote code,
+and ``.bin`` (pickle) files are read only with ``allow_pickle=True``, through
+``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.io import atomic_dir
+
+from .families import ALIASES, BASE_PREFIX, NAMES, config_from_hf, config_to_hf
+
+CONFIG = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "generation_config.json")
+# Buffers some checkpoints carry that are not parameters (recomputed by every implementation).
+_BUFFERS = re.compile(r"(\.inv_freq|\.masked_bias|attention\.bias|\.rotary_emb\..*)$")
+
+
+def is_hf_dir(path: str) -> bool:
+    """A directory whose config.json names a transformers ``model_type``."""
+    try:
+        with open(os.path.join(path, CONFIG)) as f:
+            return "model_type" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def has_tokenizer(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES[:4])
+
+
+# ---- reading tensors ----------------------------------------------------------------------------
+
+class _SafetensorsDir:
+    """name -> lazily read array over the directory's safetensors files."""
+
+    def __init__(self, path: str, stack: contextlib.ExitStack):
+        from safetensors import SafetensorError, safe_open
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        self.where: dict[str, object] = {}
+        for name in files:
+            fp = os.path.join(path, name)
+            if not os.path.exists(fp):
+                raise FileNotFoundError(f"{index} lists {name}, which is missing from {path}")
+            try:  # "flax" reads bfloat16 too (numpy cannot); on the CPU to spare accelerators
+                with jax.default_device(jax.devices("cpu")[0]):
+                    h = stack.enter_context(safe_open(fp, framework="flax"))
+                    keys = list(h.keys())
+            except SafetensorError as e:
+                raise ValueError(f"{fp} is not a valid safetensors file ({e}); the download is "
+                                 f"probably truncated or corrupted: fetch it again") from None
+            self.where.update({k: (h, fp) for k in keys})
+
+    def names(self):
+        return self.where.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        h, fp = self.where[name]
+        try:
+            with jax.default_device(jax.devices("cpu")[0]):
+                return np.asarray(h.get_tensor(name))
+        except Exception as e:  # noqa: BLE001 - the library raises several types
+            raise ValueError(f"{fp}: cannot read tensor {name} ({e}); the file is corrupted") \
+                from None
+
+
+def _pickle_dir(path: str, files: list[str]) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("reading .bin checkpoints needs torch (pip install torch)") from None
+    out = {}
+    for name in files:
+        sd = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+        out.update({k: v.float().numpy() for k, v in sd.items()})
+    return out
+
+
+def _source(path: str, allow_pickle: bool, stack) -> tuple[dict, Callable, Iterator[str]]:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is not a directory; give a local Hugging Face model "
+                                f"directory (config.json + *.safetensors)")
+    if not is_hf_dir(path):
+        raise ValueError(f"{os.path.join(path, CONFIG)} is missing or has no model_type: not a "
+                         f"Hugging Face model directory")
+    with open(os.path.join(path, CONFIG)) as f:
+        hf_cfg = json.load(f)
+    if any(f.endswith(".safetensors") for f in os.listdir(path)):
+        src = _SafetensorsDir(path, stack)
+        return hf_cfg, src.get, src.names()
+    bins = sorted(f for f in os.listdir(path) if f.endswith(".bin") and "training" not in f)
+    if not bins:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    if not allow_pickle:
+        raise ValueError(f"{path} has only pickle weights ({', '.join(bins)}); loading a pickle can "
+                         f"run arbitrary code, so jaxllm refuses unless you trust the file and "
+                         f"pass allow_pickle=True (CLI: --allow-pickle)")
+    tensors = _pickle_dir(path, bins)
+    return hf_cfg, tensors.__getitem__, tensors.keys()
+
+
+def _from_model(model) -> tuple[dict, Callable, Iterator[str]]:
+    """An in-memory transformers model (torch)."""
+    sd = model.state_dict()
+    return (model.config.to_dict(), lambda n: sd[n].detach().float().cpu().numpy(), sd.keys())
+
+
+# ---- conversion ---------------------------------------------------------------------------------
+
+def _canonical(name: str, family: str) -> str:
+    name = ALIASES.get(family, {}).get(name, name)
+    prefix = BASE_PREFIX[family]
+    if name.startswith(prefix) or name in ("lm_head.weight", "embed_out.weight"):
+        return name
+    return prefix + name  # saved from the base model class
+
+
+def _listing(names, limit=8) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
+            progress: bool = False) -> tuple[ModelConfig, dict]:
+    """``(cfg, params)`` from a local HF directory or an in-memory ``transformers`` model.
+
+    Every tensor is checked against the family's name map: missing or unexpected tensors are
+    named, and a tensor of the wrong shape is reported with both shapes.
+    """
+    from jaxllm.model import init_params
+    with contextlib.ExitStack() as stack:
+        if isinstance(src, (str, os.PathLike)):
+            hf_cfg, get, names = _source(os.fspath(src), allow_pickle, stack)
+            where = os.fspath(src)
+        else:
+            hf_cfg, get, names = _from_model(src)
+            where = type(src).__name__
+        cfg = config_from_hf(hf_cfg)
+        entries = NAMES[cfg.family](cfg)
+        available = {_canonical(n, cfg.family): n for n in names if not _BUFFERS.search(n)}
+        wanted = {e.hf for e in entries}
+        missing = [e.hf for e in entries if e.hf not in available and not e.optional]
+        extra = set(available) - wanted
+        if missing or extra:
+            raise ValueError(f"{where}: the tensors do not match a {cfg.family} model with this "
+                             f"config.json; missing: [{_listing(missing)}]; unexpected: "
+                             f"[{_listing(extra)}]")
+        params: dict = {}
+        it = entries
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(entries, desc="convert", unit="tensor")
+        for e in it:
+            if e.hf not in available:
+                continue  # optional (a tied head)
+            a = get(available[e.hf])
+            if tuple(a.shape) != e.shape:
+                raise ValueError(f"{where}: tensor {e.hf} has shape {tuple(a.shape)}, but the "
+                                 f"config needs {e.shape}")
+            for path, v in zip(e.ours, e.to_ours(a)):
+                _set(params, path, np.ascontiguousarray(v, dtype=dtype))
+    _check_complete(cfg, params, init_params)
+    return cfg, jax.tree.map(jax.numpy.asarray, params)
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _check_complete(cfg: ModelConfig, params: dict, init_params) -> None:
+    """The name map must fill exactly the model's parameters, each with the model's shape."""
+    want = _flat(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    got = _flat(params)
+    if set(want) != set(got):
+        raise AssertionError(f"{cfg.family} name map is out of step with the model: missing "
+                             f"{sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}")
+    for k, v in got.items():
+        if v.shape != want[k].shape:
+            raise AssertionError(f"{cfg.family} name map gives {k} shape {v.shape}, the model "
+                                 f"needs {want[k].shape}")
+
+
+def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None = None,
+          progress: bool = False) -> None:
+    """Write an HF directory (config.json + model.safetensors [+ tokenizer files]) atomically."""
+    from safetensors.numpy import save_file
+    hf_cfg = config_to_hf(cfg)
+    flat = _flat(jax.device_get(params))
+    tensors = {}
+    entries = NAMES[cfg.family](cfg)
+    if progress:
+        from tqdm import tqdm
+        entries = tqdm(entries, desc="export", unit="tensor")
+    for e in entries:
+        if e.optional:  # tied head: transformers re-ties it from the embedding
+            continue
+        a = np.ascontiguousarray(e.to_hf(*(np.asarray(flat[p], np.float32) for p in e.ours)))
+        assert a.shape == e.shape, (e.hf, a.shape, e.shape)
+        tensors[e.hf] = a
+    with atomic_dir(out_dir) as tmp:
+        with open(os.path.join(tmp, CONFIG), "w") as f:
+            json.dump(hf_cfg, f, indent=2)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_dir:
+            for name in TOKENIZER_FILES:
+                if os.path.exists(os.path.join(tokenizer_dir, name)):
+                    shutil.copy(os.path.join(tokenizer_dir, name), tmp)

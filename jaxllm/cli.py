@@ -31,14 +31,23 @@ def read_text(path: str) -> str:
     return text
 
 
-def _load(model: str):
+MODEL_HELP = ("jaxllm model directory, Hugging Face model directory (converted on the fly) or "
+              "random:PRESET[:SEED] (default %(default)s)")
+
+
+def _load(model: str, need_tokenizer: bool = True):
     from .io import load_model
     try:
         cfg, params, tok = load_model(model)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(str(e)) from None
     if model.startswith("random:"):
         print(RANDOM_NOTE.format(model=model), file=sys.stderr)
+    if tok is None and need_tokenizer:
+        from convert.hf import is_hf_dir
+        where = model if is_hf_dir(model) else os.path.join(model, "tokenizer")
+        raise CliError(f"{model} has no tokenizer: copy the Hugging Face tokenizer files "
+                       f"(tokenizer.json, tokenizer_config.json, ...) into {where}")
     return cfg, params, tok
 
 
@@ -55,6 +64,9 @@ def cmd_ppl(a) -> None:
         raise CliError(str(e)) from None
     text = read_text(a.text) if a.text else builtin_corpus()
     cfg, params, tok = _load(a.model)
+    if cfg.pos_emb == "learned" and pc.method in ("window", "streaming"):
+        raise CliError(f"{cfg.family} has learned absolute positions, so it cannot stream; use "
+                       f"--method dense or recompute (with --cache <= {cfg.max_seq_len})")
     ids = tok.encode(text)
     if a.max_tokens:
         if a.max_tokens < 2:
@@ -88,7 +100,12 @@ def cmd_generate(a) -> None:
     try:
         sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)
-        cache = init_cache(cfg, 1, sinks=a.sinks, window=a.cache - a.sinks)
+        if cfg.pos_emb == "learned":  # absolute positions: a dense cache, never a ring
+            print(f"note: {cfg.family} cannot stream; using a dense cache of {a.cache} tokens",
+                  file=sys.stderr)
+            cache = init_cache(cfg, 1, sinks=0, window=a.cache, evict=False)
+        else:
+            cache = init_cache(cfg, 1, sinks=a.sinks, window=a.cache - a.sinks)
     except ValueError as e:
         raise CliError(str(e)) from None
     key = jax.random.key(a.seed)
@@ -97,10 +114,55 @@ def cmd_generate(a) -> None:
         if not ids:
             raise CliError(f"prompt {i + 1} is empty")
         key, sub = jax.random.split(key)
-        res = generate(params, cfg, jnp.asarray([ids]), cache, sc, sub)
+        try:
+            res = generate(params, cfg, jnp.asarray([ids]), cache, sc, sub)
+        except ValueError as e:
+            raise CliError(str(e)) from None
         cache = res.cache
         n = int(res.num_tokens[0])
         print(f">>> {prompt}\n{tok.decode(list(res.tokens[0, :n]))}")
+
+
+def cmd_convert(a) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from convert import from_hf
+    from convert.hf import has_tokenizer
+
+    from .io import save_model
+    try:
+        cfg, params = from_hf(a.hf, allow_pickle=a.allow_pickle, progress=not a.quiet,
+                              dtype=jnp.dtype(a.dtype))
+        save_model(a.out, cfg, params, tokenizer=a.hf if has_tokenizer(a.hf) else None,
+                   format=a.format)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise CliError(str(e)) from None
+    n = sum(x.size for x in jax.tree.leaves(params))
+    print(f"converted {cfg.family} ({n / 1e6:.1f}M parameters, {cfg.num_layers} layers) "
+          f"-> {a.out} [{a.format}]")
+    if not has_tokenizer(a.hf):
+        print(f"note: {a.hf} has no tokenizer files, so neither has {a.out}: text commands will "
+              f"ask for one (copy the tokenizer files into {a.out}/tokenizer)", file=sys.stderr)
+
+
+def cmd_export_hf(a) -> None:
+    from convert import to_hf
+
+    from .io import TOKENIZER_DIR
+    from .tokenizer import ByteTokenizer
+    cfg, params, tok = _load(a.model, need_tokenizer=False)
+    tok_dir = os.path.join(a.model, TOKENIZER_DIR)
+    try:
+        to_hf(cfg, params, a.out, tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
+              progress=not a.quiet)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {a.out}: load it with transformers.AutoModelForCausalLM.from_pretrained")
+    if isinstance(tok, ByteTokenizer):
+        print("note: the model uses jaxllm's byte tokenizer (ids = UTF-8 bytes, specials "
+              "256-263), which has no transformers equivalent; no tokenizer was written",
+              file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,8 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     q = sub.add_parser("ppl", help="streaming perplexity of a text through a cache policy")
-    q.add_argument("--model", default=DEFAULT_MODEL,
-                   help="jaxllm model directory or random:PRESET[:SEED] (default %(default)s)")
+    q.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     src = q.add_mutually_exclusive_group()
     src.add_argument("--text", help="UTF-8 text file to score")
     src.add_argument("--corpus", choices=["builtin"], default="builtin",
@@ -127,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_ppl)
 
     g = sub.add_parser("generate", help="generate text; several --prompt are rounds of one chat")
-    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     g.add_argument("--prompt", action="append", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -137,6 +198,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache", type=int, default=1024)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face model directory to jaxllm")
+    c.add_argument("--hf", required=True, help="local HF directory (config.json + safetensors)")
+    c.add_argument("--out", required=True, help="jaxllm model directory to write")
+    c.add_argument("--format", choices=["orbax", "safetensors"], default="orbax",
+                   help="orbax (restorable into a sharding; default) or one safetensors file")
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="parameter storage dtype (default %(default)s)")
+    c.add_argument("--allow-pickle", action="store_true",
+                   help="read pytorch_model*.bin (pickle) when no safetensors exist; only for "
+                        "files you trust")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(fn=cmd_convert)
+
+    e = sub.add_parser("export-hf", help="write a GPT-NeoX/Llama/Mistral model in HF format")
+    e.add_argument("--model", required=True, help=MODEL_HELP.replace(" (default %(default)s)", ""))
+    e.add_argument("--out", required=True, help="directory to write (config.json + safetensors)")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.set_defaults(fn=cmd_export_hf)
     return p
 
 

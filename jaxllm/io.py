@@ -68,21 +68,22 @@ def atomic_dir(path: str):
         os.rename(tmp, path)
 
 
-def save_model(path: str, cfg: ModelConfig, params, tokenizer: str = "byte",
+def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "byte",
                format: str = "safetensors") -> None:
     """Write a model directory atomically: an interrupted save never leaves a half-written
     model where a good one was.
 
-    ``tokenizer``: ``"byte"`` or a directory with a Hugging Face tokenizer (copied in).
+    ``tokenizer``: ``"byte"``, a directory with a Hugging Face tokenizer (copied in), or None
+    (the model ships without one: Python use only, the CLI refuses text commands).
     ``format``: ``"safetensors"`` or ``"orbax"`` (see the module docstring).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
-    if tokenizer != "byte" and not os.path.isdir(tokenizer):
+    if tokenizer not in ("byte", None) and not os.path.isdir(tokenizer):
         raise ValueError(f"tokenizer must be 'byte' or a tokenizer directory, got {tokenizer!r}")
     with atomic_dir(path) as tmp:
-        tok_entry = "byte"
-        if tokenizer != "byte":
+        tok_entry = tokenizer
+        if tokenizer not in ("byte", None):
             from convert.hf import TOKENIZER_FILES
             os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
             for name in TOKENIZER_FILES:
@@ -94,7 +95,7 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: str = "byte",
                       indent=2, sort_keys=True)
         if format == "orbax":
             import orbax.checkpoint as ocp
-            with ocp.StandardCheckpointer() as ckpt:
+            with ocp.StandardCheckpointer() as ckpt:  # waits for the async write to finish
                 ckpt.save(os.path.join(tmp, ORBAX_DIR), params)
         else:
             from safetensors.numpy import save_file
@@ -179,6 +180,9 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
         _check_params(cfg, flat, w_path)
         params = _place(_unflatten(flat), sharding)
     tok_spec = meta.get("tokenizer", "byte")
+    if tok_spec is None:  # none shipped; one may have been copied in since
+        tok_dir = os.path.join(spec, TOKENIZER_DIR)
+        return cfg, params, load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
     if tok_spec != "byte" and not os.path.isabs(tok_spec):
         tok_spec = os.path.join(spec, tok_spec)
     return cfg, params, load_tokenizer(tok_spec)
@@ -186,6 +190,7 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
 
 def _restore_orbax(path: str, sharding):
     import orbax.checkpoint as ocp
+    path = os.path.abspath(path)  # orbax wants absolute paths
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is missing: the orbax checkpoint of this model")
     with ocp.StandardCheckpointer() as ckpt:

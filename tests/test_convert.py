@@ -286,3 +286,51 @@ def test_streaming_converted_model_matches_naive_cache(name, saved):
     for b in range(2):
         ref = NaiveStream(params, cfg, S, W).run(streams[b])
         np.testing.assert_allclose(np.concatenate(got[b]), ref, atol=1e-4, rtol=0)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+def test_cli_convert_export_and_hf_model_everywhere(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxllm.cli import main
+    hf = tmp_path / "hf"
+    model = build_hf("neox-parallel-rot0.25")
+    model.save_pretrained(hf)
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(V - 2)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+                            eos_token="<eos>").save_pretrained(hf)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{i % 90}" for i in range(300)))
+
+    # an HF directory works directly as --model, tokenizer included
+    assert main(["ppl", "--model", str(hf), "--text", str(text), "--cache", "64", "--quiet",
+                 "--json", str(tmp_path / "a.json")]) == 0
+    assert main(["convert", "--hf", str(hf), "--out", str(tmp_path / "jl"), "--quiet"]) == 0
+    assert main(["ppl", "--model", str(tmp_path / "jl"), "--text", str(text), "--cache", "64",
+                 "--quiet", "--json", str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["ppl"] for n in "ab")
+    assert a == pytest.approx(b, rel=1e-6)
+    assert main(["export-hf", "--model", str(tmp_path / "jl"), "--out", str(tmp_path / "back"),
+                 "--quiet"]) == 0
+    back = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"),
+                                                   attn_implementation="eager").eval()
+    np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(model, TOKENS))
+    assert tf.AutoTokenizer.from_pretrained(str(tmp_path / "back")).encode("w3 w5") == [5, 7]
+    assert main(["generate", "--model", str(tmp_path / "jl"), "--prompt", "w1 w2",
+                 "--max-new-tokens", "4", "--cache", "32"]) == 0
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from jaxllm.cli import main
+    build_hf("opt-prenorm").save_pretrained(tmp_path / "opt")
+    assert main(["convert", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["ppl", "--model", str(tmp_path / "opt"), "--quiet"]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+    assert main(["export-hf", "--model", str(tmp_path / "opt"), "--out", str(tmp_path / "y")]) == 2
+    assert "export to Hugging Face supports gpt_neox, llama, mistral" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")

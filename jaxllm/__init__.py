@@ -1,6 +1,6 @@
 """jaxllm: StreamingLLM, SmoothQuant and sink-token pre-training in JAX."""
 from .cache import KVCache, init_cache
-from .config import PRESETS, ModelConfig
+from .config import PRESETS, ModelConfig, RopeScaling
 from .generate import GenerateResult, SamplingConfig, generate, generate_python
 from .io import load_model, save_model
 from .model import forward, init_params
@@ -9,4 +9,4 @@ from .tokenizer import ByteTokenizer, load_tokenizer
 
 __all__ = ["ByteTokenizer", "GenerateResult", "KVCache", "ModelConfig", "PRESETS", "PplConfig",
            "SamplingConfig", "forward", "generate", "generate_python", "init_cache", "init_params",
-           "load_model", "load_tokenizer", "save_model", "stream_nll"]
+           "load_model", "load_tokenizer", "RopeScaling", "save_model", "stream_nll"]

@@ -17,8 +17,9 @@ class RopeScaling:
     * ``dynamic`` (NTK): when a sequence is longer than ``original_max_len`` the base becomes
       ``theta * (factor * L / original_max_len - (factor - 1)) ** (d / (d - 2))``, L the sequence
       length. jaxllm takes L per row as the in-cache length after the current chunk and, because
-      keys are cached before RoPE, applies the new base to every key (transformers' cached
-      generate keeps keys rotated with earlier bases; its uncached forward agrees with ours).
+      keys are cached before RoPE, applies the new base to every key. A full forward equals
+      transformers'; cached decoding past the original length cannot (transformers keeps keys
+      rotated with earlier bases, and its uncached generate recomputes every hidden state).
     * ``llama3``: Llama 3.1's per-frequency rule: wavelengths above
       ``original_max_len / low_freq_factor`` are divided by ``factor``, below
       ``original_max_len / high_freq_factor`` kept, and smoothly interpolated between.

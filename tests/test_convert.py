@@ -89,7 +89,7 @@ def saved(tmp_path_factory):
 
 def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(tokens))).logits.float().numpy()
+        return model(torch.as_tensor(np.array(tokens))).logits.float().numpy()
 
 
 def naive_greedy(params, cfg, prompt, n):
@@ -334,3 +334,35 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["export-hf", "--model", str(tmp_path / "opt"), "--out", str(tmp_path / "y")]) == 2
     assert "export to Hugging Face supports gpt_neox, llama, mistral" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+SHARDED_RESTORE = r"""
+import os, sys, jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxllm
+assert len(jax.devices()) == 4
+cfg, params, _ = jaxllm.load_model(sys.argv[1])  # unsharded, the reference
+mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2), ("data", "fsdp"))
+# shard every matrix's first axis over fsdp, replicate vectors
+spec = jax.tree.map(lambda a: NamedSharding(mesh, P("fsdp") if a.ndim == 2 else P()), params)
+_, sharded, _ = jaxllm.load_model(sys.argv[1], sharding=spec)
+emb = sharded["embed"]["embedding"]
+assert emb.sharding == spec["embed"]["embedding"], emb.sharding
+assert {s.data.shape[0] for s in emb.addressable_shards} == {emb.shape[0] // 2}
+jax.tree.map(np.testing.assert_array_equal, sharded, params)
+print("ok")
+"""
+
+
+def test_orbax_restores_into_a_multi_device_sharding(tmp_path):
+    """Four CPU devices (a fresh process, since the device count is fixed at start-up)."""
+    import subprocess
+    import sys
+    cfg = jaxllm.PRESETS["llama-tiny"]
+    jaxllm.save_model(str(tmp_path / "m"), cfg, jaxllm.init_params(cfg, jax.random.key(0)),
+                      format="orbax")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", SHARDED_RESTORE, str(tmp_path / "m")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

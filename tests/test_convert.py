@@ -366,3 +366,78 @@ def test_orbax_restores_into_a_multi_device_sharding(tmp_path):
     out = subprocess.run([sys.executable, "-c", SHARDED_RESTORE, str(tmp_path / "m")], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+# ---- real checkpoints' config.json files (transformers 4 era, as they sit on the Hub) ----------
+
+PYTHIA_160M = {"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0,
+               "hidden_act": "gelu", "hidden_size": 768, "initializer_range": 0.02,
+               "intermediate_size": 3072, "layer_norm_eps": 1e-05,
+               "max_position_embeddings": 2048, "model_type": "gpt_neox",
+               "num_attention_heads": 12, "num_hidden_layers": 12, "rotary_emb_base": 10000,
+               "rotary_pct": 0.25, "tie_word_embeddings": False, "torch_dtype": "float16",
+               "use_cache": True, "use_parallel_residual": True, "vocab_size": 50304}
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+             "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "llama",
+             "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+             "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+             "tie_word_embeddings": False, "vocab_size": 32000}
+
+
+def test_hub_configs_map_to_the_published_architectures():
+    # The presets were written from the papers' tables (REFERENCE §2), independently of the reader.
+    assert convert.config_from_hf(PYTHIA_160M) == jaxllm.PRESETS["pythia-160m"]
+    assert convert.config_from_hf(LLAMA2_7B) == jaxllm.PRESETS["llama2-7b"]
+    llama31 = dict(LLAMA2_7B, num_key_value_heads=8, rope_theta=500000.0, vocab_size=128256,
+                   rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192,
+                                 "rope_type": "llama3"}, max_position_embeddings=131072)
+    cfg = convert.config_from_hf(llama31)
+    assert (cfg.num_kv_heads, cfg.rope_theta) == (8, 500000.0)
+    assert cfg.rope_scaling == jaxllm.RopeScaling("llama3", 8.0, 8192, 1.0, 4.0)
+    falcon7b = {"model_type": "falcon", "alibi": False, "bias": False, "hidden_size": 4544,
+                "multi_query": True, "new_decoder_architecture": False,
+                "num_attention_heads": 71, "num_hidden_layers": 32, "parallel_attn": True,
+                "vocab_size": 65024, "layer_norm_epsilon": 1e-05}
+    cfg = convert.config_from_hf(falcon7b)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.shared_norm, cfg.intermediate_size) == (
+        1, 64, True, 4 * 4544)
+    mpt7b = {"model_type": "mpt", "d_model": 4096, "n_heads": 32, "n_layers": 32,
+             "expansion_ratio": 4, "max_seq_len": 2048, "vocab_size": 50432, "no_bias": True,
+             "attn_config": {"alibi": True, "alibi_bias_max": 8, "clip_qkv": None,
+                             "qk_ln": False, "softmax_scale": None, "prefix_lm": False}}
+    cfg = convert.config_from_hf(mpt7b)
+    assert (cfg.pos_emb, cfg.qkv_clip, cfg.norm_bias, cfg.tie_embeddings) == (
+        "alibi", 0.0, False, True)
+    opt350m = {"model_type": "opt", "hidden_size": 1024, "word_embed_proj_dim": 512,
+               "do_layer_norm_before": False, "ffn_dim": 4096, "num_attention_heads": 16,
+               "num_hidden_layers": 24, "vocab_size": 50272, "max_position_embeddings": 2048,
+               "activation_function": "relu"}
+    cfg = convert.config_from_hf(opt350m)
+    assert (cfg.embedding_dim, cfg.pre_norm, cfg.final_norm, cfg.mlp) == (512, False, False,
+                                                                           "relu")
+    with pytest.raises(convert.UnsupportedModel, match="rope scaling 'yarn'"):
+        convert.config_from_hf(dict(LLAMA2_7B, rope_scaling={"rope_type": "yarn", "factor": 4}))
+    with pytest.raises(convert.UnsupportedModel, match="Falcon-RW"):
+        convert.config_from_hf(dict(falcon7b, alibi=True))
+
+
+def test_old_checkpoint_names_and_buffers(saved, tmp_path):
+    """Pythia files on the Hub say embed_out and carry mask/rotary buffers; OPT files saved from
+    OPTModel lack the model. prefix. Both load."""
+    from safetensors.numpy import load_file, save_file
+    for name, rename in [("neox-parallel-rot0.25", lambda k: k.replace("lm_head.", "embed_out.")),
+                         ("opt-postnorm-project", lambda k: k.removeprefix("model."))]:
+        model, d = saved(name)
+        w = {rename(k): v for k, v in load_file(os.path.join(d, "model.safetensors")).items()}
+        if name.startswith("neox"):
+            w["gpt_neox.layers.0.attention.bias"] = np.ones((1, 1, 4, 4), np.bool_)
+            w["gpt_neox.layers.0.attention.masked_bias"] = np.zeros((), np.float32)
+            w["gpt_neox.layers.0.attention.rotary_emb.inv_freq"] = np.zeros(2, np.float32)
+        out = tmp_path / name
+        out.mkdir()
+        save_file(w, str(out / "model.safetensors"))
+        (out / "config.json").write_text(open(os.path.join(d, "config.json")).read())
+        cfg, params = convert.from_hf(str(out))
+        np.testing.assert_allclose(jaxllm.forward(params, cfg, TOKENS)[0],
+                                   hf_logits(model, TOKENS), atol=1e-4, rtol=0)

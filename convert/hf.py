@@ -215,7 +215,11 @@ def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None =
           progress: bool = False) -> None:
     """Write an HF directory (config.json + model.safetensors [+ tokenizer files]) atomically."""
     from safetensors.numpy import save_file
+
+    from jaxllm.smoothquant import is_quantized
     hf_cfg = config_to_hf(cfg)
+    if is_quantized(params):
+        raise ValueError("these params are int8 (jaxllm quantize); export the float model")
     flat = _flat(jax.device_get(params))
     tensors = {}
     entries = NAMES[cfg.family](cfg)

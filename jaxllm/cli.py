@@ -165,6 +165,42 @@ def cmd_export_hf(a) -> None:
               file=sys.stderr)
 
 
+def cmd_quantize(a) -> None:
+    from .corpus import builtin_corpus
+    from .io import save_model
+    from .smoothquant import CalibConfig, quantize
+    from .tokenizer import ByteTokenizer
+    cfg, params, tok = _load(a.model)
+    alpha = a.alpha if a.alpha in (None, "auto") else _float(a.alpha, "--alpha")
+    ids = tok.encode(read_text(a.calib_text) if a.calib_text else builtin_corpus())
+    try:
+        q, info = quantize(params, cfg, ids, a.scheme, alpha, smooth=not a.no_smooth,
+                           smooth_down=a.smooth_down, real=not a.fake,
+                           calib=CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len),
+                           progress=not a.quiet, return_info=True)
+        save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok.name,
+                   format=a.format)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if "losses" in info:
+        print("alpha search (held-out loss): " + ", ".join(
+            f"{k}: {v:.4f}" for k, v in info["losses"].items()))
+    print(f"quantized {a.model} with {a.scheme}"
+          + (f", alpha {info['alpha']}" if info["smooth"] else ", no smoothing")
+          + f" ({'real int8' if not a.fake else 'fake-quant'}) -> {a.out}")
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(dict(info, model=a.model), f, indent=2)
+
+
+def _float(s: str, flag: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise CliError(f"{flag} must be a number in [0, 1] or 'auto', got {s!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxllm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -211,6 +247,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "files you trust")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
+
+    z = sub.add_parser("quantize", help="SmoothQuant W8A8: calibrate, smooth, quantize to int8")
+    z.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    z.add_argument("--scheme", default="o1", choices=["o1", "o2", "o3", "w8"],
+                   help="o1/o2/o3 as in the paper (W per-tensor; A per-token, per-tensor "
+                        "dynamic, per-tensor static), w8 weight-only (default %(default)s)")
+    z.add_argument("--alpha", default=None,
+                   help="migration strength in [0, 1], or 'auto' (grid search on held-out "
+                        "calibration text); default: the family's value from the paper")
+    z.add_argument("--no-smooth", action="store_true", help="naive quantization, no smoothing")
+    z.add_argument("--smooth-down", action="store_true",
+                   help="SwiGLU: also smooth down_proj's input through up_proj")
+    z.add_argument("--fake", action="store_true",
+                   help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
+    z.add_argument("--calib-text", help="UTF-8 calibration text (default: the embedded corpus)")
+    z.add_argument("--n-seqs", type=int, default=512, help="calibration sequences")
+    z.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    z.add_argument("--out", required=True, help="model directory to write")
+    z.add_argument("--format", choices=["orbax", "safetensors"], default="safetensors")
+    z.add_argument("--json", help="write what was chosen (alpha, search losses) here")
+    z.add_argument("--quiet", action="store_true", help="no progress bars")
+    z.set_defaults(fn=cmd_quantize)
 
     e = sub.add_parser("export-hf", help="write a GPT-NeoX/Llama/Mistral model in HF format")
     e.add_argument("--model", required=True, help=MODEL_HELP.replace(" (default %(default)s)", ""))

@@ -21,6 +21,7 @@ import numpy as np
 
 from .config import PRESETS, ModelConfig
 from .model import init_params
+from .quant import from_plain, to_plain
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 CONFIG, WEIGHTS, ORBAX_DIR, TOKENIZER_DIR = "config.json", "model.safetensors", "params", "tokenizer"
@@ -90,21 +91,31 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
                 if os.path.exists(os.path.join(tokenizer, name)):
                     shutil.copy(os.path.join(tokenizer, name), os.path.join(tmp, TOKENIZER_DIR))
             tok_entry = TOKENIZER_DIR
+        plain, quant = to_plain(params)
+        meta = {"model": cfg.to_dict(), "tokenizer": tok_entry, "format": format}
+        if quant:  # int8 nodes: their static fields, to rebuild them on load
+            meta["quant"] = quant
         with open(os.path.join(tmp, CONFIG), "w") as f:
-            json.dump({"model": cfg.to_dict(), "tokenizer": tok_entry, "format": format}, f,
-                      indent=2, sort_keys=True)
+            json.dump(meta, f, indent=2, sort_keys=True)
         if format == "orbax":
             import orbax.checkpoint as ocp
             with ocp.StandardCheckpointer() as ckpt:  # waits for the async write to finish
-                ckpt.save(os.path.join(tmp, ORBAX_DIR), params)
+                ckpt.save(os.path.join(tmp, ORBAX_DIR), plain)
         else:
             from safetensors.numpy import save_file
-            flat = {k: np.asarray(v) for k, v in _flatten(jax.device_get(params)).items()}
+            flat = {k: np.asarray(v) for k, v in _flatten(jax.device_get(plain)).items()}
             save_file(flat, os.path.join(tmp, WEIGHTS))
 
 
-def _check_params(cfg: ModelConfig, flat: dict, where: str) -> None:
+def _check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None:
+    """Names and shapes against the config (an int8 node's ``q`` has its float kernel's shape)."""
     expect = _flatten(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    flat = dict(flat)
+    for path in quant:
+        for extra in ("scale", "act_scale"):
+            flat.pop(f"{path}/{extra}", None)
+        if f"{path}/q" in flat:
+            flat[path] = flat.pop(f"{path}/q")
     missing, extra = sorted(set(expect) - set(flat)), sorted(set(flat) - set(expect))
     if missing or extra:
         raise ValueError(f"{where} does not match its config: missing {missing}, extra {extra}")
@@ -163,9 +174,10 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
                          f"Face one (no 'model_type')")
     cfg = ModelConfig.from_dict(meta["model"])
     fmt = meta.get("format", "safetensors")
+    quant = meta.get("quant", {})
     if fmt == "orbax":
         params = _restore_orbax(os.path.join(spec, ORBAX_DIR), sharding)
-        _check_params(cfg, _flatten(params), os.path.join(spec, ORBAX_DIR))
+        _check_params(cfg, _flatten(params), os.path.join(spec, ORBAX_DIR), quant)
     else:
         w_path = os.path.join(spec, WEIGHTS)
         if not os.path.exists(w_path):
@@ -177,8 +189,9 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
             flat = load_file(w_path)
         except SafetensorError as e:
             raise ValueError(f"{w_path} is not a valid safetensors file ({e})") from None
-        _check_params(cfg, flat, w_path)
+        _check_params(cfg, flat, w_path, quant)
         params = _place(_unflatten(flat), sharding)
+    params = from_plain(params, quant)
     tok_spec = meta.get("tokenizer", "byte")
     if tok_spec is None:  # none shipped; one may have been copied in since
         tok_dir = os.path.join(spec, TOKENIZER_DIR)

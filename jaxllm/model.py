@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from . import cache as kvc
 from .config import ModelConfig
+from .quant import QKernel, qmatmul
 from .rope import apply_rope, inv_freq
 
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
@@ -31,12 +32,42 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
+        # The input's per-channel max |x|, collected only when "intermediates" is mutable
+        # (SmoothQuant calibration); otherwise dead code that XLA drops.
+        self.sow("intermediates", "in_absmax",
+                 jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(-1, x.shape[-1]), axis=0),
+                 reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
         kernel = self.param("kernel", nn.initializers.normal(self.std),
                             (x.shape[-1], self.features))
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype))
+        if isinstance(kernel, QKernel):  # INT8 (jaxllm.quant): dispatch on the leaf's type
+            y = qmatmul(x, kernel, self.dtype)
+        else:
+            y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
         return y
+
+
+class Embed(nn.Module):
+    """Token embedding [vocab, dim]; ``attend`` is the tied output head. An int8 table
+    (``QKernel`` with per-row scales) dequantizes the looked-up rows and runs the head in INT8."""
+
+    vocab: int
+    dim: int
+    std: float
+
+    @nn.compact
+    def __call__(self, tokens):
+        table = self.param("embedding", nn.initializers.normal(self.std), (self.vocab, self.dim))
+        if isinstance(table, QKernel):
+            return table.q[tokens].astype(jnp.float32) * table.scale[tokens][..., None]
+        return table[tokens]
+
+    def attend(self, x):
+        table = self.get_variable("params", "embedding")
+        if isinstance(table, QKernel):
+            return qmatmul(x, table, jnp.float32, w_contract=1)
+        return jnp.einsum("...d,vd->...v", x, table)
 
 
 class Norm(nn.Module):
@@ -221,8 +252,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         B, T = tokens.shape
         dt = _dtype(cfg)
-        embed = nn.Embed(cfg.vocab_size, cfg.embedding_dim,
-                         embedding_init=nn.initializers.normal(cfg.init_std), name="embed")
+        embed = Embed(cfg.vocab_size, cfg.embedding_dim, cfg.init_std, name="embed")
         x = embed(tokens).astype(dt)
         if cfg.embedding_dim != cfg.hidden_size:  # OPT: embeddings narrower than the model
             x = Linear(cfg.hidden_size, False, cfg.init_std, dt, name="project_in")(x)

@@ -1,0 +1,143 @@
+"""INT8 tensors and matmuls (SmoothQuant, Xiao et al. 2023, §2 and REFERENCE §3).
+
+Symmetric quantization: Δ = max|X| / 127, X̄ = clip(round(X / Δ), -127, 127). An INT8 GEMM can
+only rescale along its outer dimensions, Y = diag(Δ_X) (X̄ W̄) diag(Δ_W) (eq. 2), so activation
+scales are per token (rows) or per tensor, and weight scales per output channel or per tensor.
+
+A quantized weight is a :class:`QKernel` pytree node in place of the float ``kernel`` leaf: the
+int8 values and their scale are ordinary leaves, and how activations are quantized is static
+metadata of the node, so ``jit`` specialises on it and ``forward``/``generate`` take quantized
+params unchanged. ``Linear`` (and the embedding) dispatch on the node type.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int8
+
+QMAX = 127.0
+ACT_MODES = ("token", "tensor", "static", "none")
+
+
+@struct.dataclass
+class QKernel:
+    """An int8 weight ``q`` [in, out] with ``scale`` [out] (per channel) or [] (per tensor).
+
+    ``act``: how the input is quantized — ``token`` (dynamic, per row), ``tensor`` (dynamic, per
+    call), ``static`` (the calibrated ``act_scale``), ``none`` (weight-only: dequantize and multiply
+    in float). ``real``: int8 x int8 -> int32 matmul; otherwise fake-quant (quantize-dequantize
+    and multiply in float32), for accuracy studies. Embedding tables use the same node with
+    ``q`` [vocab, dim] and a per-row ``scale`` [vocab].
+    """
+
+    q: Int8[Array, "i o"]  # first leaf: flax checks its shape against the float kernel's
+    scale: Float[Array, "..."]
+    act_scale: Optional[Float[Array, ""]] = None
+    act: Literal["token", "tensor", "static", "none"] = struct.field(pytree_node=False,
+                                                                     default="token")
+    real: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+
+def absmax_scale(x: Array, axis=None, keepdims: bool = False) -> Array:
+    """Δ = max|x| / 127 over ``axis`` (all-zero slices get Δ = 1 so nothing divides by zero)."""
+    m = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=keepdims)
+    return jnp.where(m > 0, m / QMAX, 1.0)
+
+
+def quantize(x: Array, scale: Array) -> Int8[Array, "..."]:
+    """round(x / scale) clipped to [-127, 127], as int8 (``scale`` broadcasts against ``x``)."""
+    return jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -QMAX, QMAX).astype(jnp.int8)
+
+
+def quantize_weight(w: Float[Array, "i o"], per_channel: bool, act: str = "token",
+                    act_scale: Optional[Array] = None, real: bool = True) -> QKernel:
+    """A float kernel [in, out] as a :class:`QKernel` (per output channel or per tensor)."""
+    if act not in ACT_MODES:
+        raise ValueError(f"unknown activation mode {act!r}; choose one of {ACT_MODES}")
+    if (act == "static") != (act_scale is not None):
+        raise ValueError("act='static' needs act_scale (a calibrated per-tensor scale), and only "
+                         "it takes one")
+    scale = absmax_scale(w, axis=0) if per_channel else absmax_scale(w)
+    return QKernel(quantize(w, scale), scale, None if act_scale is None else
+                   jnp.asarray(act_scale, jnp.float32), act=act, real=real)
+
+
+def quantize_rows(table: Float[Array, "v d"], act: str = "token", real: bool = True) -> QKernel:
+    """An embedding table with one scale per row (token): a lookup dequantizes its rows exactly,
+    and a tied output head uses the per-row scales as per-output-channel scales."""
+    scale = absmax_scale(table, axis=1)
+    return QKernel(quantize(table, scale[:, None]), scale, act=act, real=real)
+
+
+def int8_matmul(xq: Int8[Array, "... i"], wq: Int8[Array, "..."], w_contract: int = 0) -> Array:
+    """int8 x int8 -> int32, exact (XLA ``dot_general``; the Pallas kernels plug in here).
+    ``w_contract``: the weight's input axis (0 for a kernel [in, out], 1 for a table [out, in])."""
+    return jax.lax.dot_general(xq, wq, (((xq.ndim - 1,), (w_contract,)), ((), ())),
+                               preferred_element_type=jnp.int32)
+
+
+def act_scale_of(x: Array, k: QKernel) -> Array:
+    """The input's scale for this weight's activation mode, shaped to broadcast over ``x``."""
+    if k.act == "token":
+        return absmax_scale(x, axis=-1, keepdims=True)
+    if k.act == "tensor":
+        return absmax_scale(x)
+    return k.act_scale
+
+
+def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32,
+            w_contract: int = 0) -> Float[Array, "... o"]:
+    """x @ W for a quantized W ([in, out], or [out, in] with ``w_contract=1``), by the node's
+    activation mode and real/fake setting. Scales are per output channel or per tensor."""
+    eq = "...i,io->...o" if w_contract == 0 else "...i,oi->...o"
+    if k.act == "none":  # weight-only: the int8 weight is dequantized next to the matmul
+        w = k.q.astype(dtype) * (k.scale if w_contract == 0 else k.scale[:, None]).astype(dtype)
+        return jnp.einsum(eq, x.astype(dtype), w)
+    sx = act_scale_of(x, k)
+    xq = quantize(x, sx)
+    if k.real:  # eq. 2: the scales are applied to the int32 product (outer dims only)
+        acc = int8_matmul(xq, k.q, w_contract).astype(jnp.float32)
+        return (acc * sx * k.scale).astype(dtype)
+    # Fake quant: the same quantize-dequantize, multiplied in float32. The integer-valued product
+    # is formed first (exact in float32 while |sum| < 2^24) and scaled after, as eq. 2 does, so
+    # real and fake modes differ only by float rounding.
+    acc = jnp.einsum(eq, xq.astype(jnp.float32), k.q.astype(jnp.float32))
+    return (acc * sx * k.scale).astype(dtype)
+
+
+# ---- (de)serialisation: QKernel nodes <-> plain dicts plus a spec of their static fields --------
+
+def to_plain(params) -> tuple[dict, dict]:
+    """Nested dicts of arrays (for safetensors/orbax) and ``{path: {"act", "real"}}`` for every
+    quantized node, path joined by '/'."""
+    spec = {}
+
+    def walk(node, path):
+        if isinstance(node, QKernel):
+            spec[path] = {"act": node.act, "real": node.real}
+            d = {"q": node.q, "scale": node.scale}
+            return d if node.act_scale is None else dict(d, act_scale=node.act_scale)
+        if isinstance(node, dict):
+            return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
+        return node
+    return walk(params, ""), spec
+
+
+def from_plain(plain: dict, spec: dict) -> dict:
+    """Inverse of :func:`to_plain`."""
+    out = jax.tree.map(lambda x: x, plain)  # fresh containers
+    for path, s in spec.items():
+        *parents, leaf = path.split("/")
+        node = out
+        for p in parents:
+            node = node[p]
+        d = node[leaf]
+        node[leaf] = QKernel(d["q"], d["scale"], d.get("act_scale"), act=s["act"], real=s["real"])
+    return out

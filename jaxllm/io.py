@@ -114,8 +114,9 @@ def _check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None
     for path in quant:
         for extra in ("scale", "act_scale"):
             flat.pop(f"{path}/{extra}", None)
-        if f"{path}/q" in flat:
-            flat[path] = flat.pop(f"{path}/q")
+        if f"{path}/q" in flat:  # int8 kernels are stored [out, in], tables [vocab, dim]
+            q = flat.pop(f"{path}/q")
+            flat[path] = q if path.endswith("embed/embedding") else q.T
     missing, extra = sorted(set(expect) - set(flat)), sorted(set(flat) - set(expect))
     if missing or extra:
         raise ValueError(f"{where} does not match its config: missing {missing}, extra {extra}")

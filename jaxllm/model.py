@@ -37,11 +37,12 @@ class Linear(nn.Module):
         self.sow("intermediates", "in_absmax",
                  jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(-1, x.shape[-1]), axis=0),
                  reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
-        kernel = self.param("kernel", nn.initializers.normal(self.std),
-                            (x.shape[-1], self.features))
+        kernel = self.get_variable("params", "kernel")
         if isinstance(kernel, QKernel):  # INT8 (jaxllm.quant): dispatch on the leaf's type
             y = qmatmul(x, kernel, self.dtype)
         else:
+            kernel = self.param("kernel", nn.initializers.normal(self.std),
+                                (x.shape[-1], self.features))
             y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(self.dtype)
@@ -58,15 +59,16 @@ class Embed(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        table = self.param("embedding", nn.initializers.normal(self.std), (self.vocab, self.dim))
-        if isinstance(table, QKernel):
+        table = self.get_variable("params", "embedding")
+        if isinstance(table, QKernel):  # int8 rows, one scale each
             return table.q[tokens].astype(jnp.float32) * table.scale[tokens][..., None]
+        table = self.param("embedding", nn.initializers.normal(self.std), (self.vocab, self.dim))
         return table[tokens]
 
     def attend(self, x):
         table = self.get_variable("params", "embedding")
         if isinstance(table, QKernel):
-            return qmatmul(x, table, jnp.float32, w_contract=1)
+            return qmatmul(x, table, jnp.float32)  # the table is [vocab, dim] = [out, in]
         return jnp.einsum("...d,vd->...v", x, table)
 
 

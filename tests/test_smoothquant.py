@@ -84,7 +84,9 @@ def test_int8_matmul_is_exact_and_epilogue_is_eq2(m, k, n):
     xq = rng.integers(-127, 128, (m, k), dtype=np.int8)
     wq = rng.integers(-127, 128, (k, n), dtype=np.int8)
     ref = xq.astype(np.int64) @ wq.astype(np.int64)
-    np.testing.assert_array_equal(np.asarray(quant.int8_matmul(xq, wq)), ref)
+    # the weight is stored K-major ([n, k]); a batch of rows, and a single (padded) row
+    np.testing.assert_array_equal(np.asarray(quant.int8_matmul(xq, wq.T)), ref)
+    np.testing.assert_array_equal(np.asarray(quant.int8_matmul(xq[None, :1], wq.T)), ref[None, :1])
     # qmatmul = diag(sx) (X̄ W̄) diag(sw) with X̄ = round(x / sx) per token, W̄ per channel
     x = rng.normal(size=(m, k)).astype(np.float32)
     w = rng.normal(size=(k, n)).astype(np.float32)

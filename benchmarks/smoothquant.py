@@ -158,16 +158,17 @@ def speed(a) -> tuple[str, str]:
     lines.append(f"| weights in memory (MiB) | - | {nbytes(params) / 2**20:.0f} | "
                  f"{nbytes(q) / 2**20:.0f} | {ratio:.3f}x |")
     sc = jaxllm.SamplingConfig(max_new_tokens=a.decode_tokens)
-    for B in (1, 8):
-        prompt = jnp.asarray(ids[: B * 16].reshape(B, 16))
-        res = {}
-        for name, p in (("f32", params), ("int8", q)):
-            def run(p=p):
-                cache = jaxllm.init_cache(cfg, B, sinks=4, window=252)
-                return jaxllm.generate(p, cfg, prompt, cache, sc).tokens
-            res[name] = B * a.decode_tokens / _time(run, 2)
-        lines.append(f"| decode tokens/s (StreamingLLM 4+252) | {B} | {res['f32']:.1f} | "
-                     f"{res['int8']:.1f} | {res['int8'] / res['f32']:.2f}x |")
+    for window in (252, 28):
+        for B in (1, 8):
+            prompt = jnp.asarray(ids[: B * 16].reshape(B, 16))
+            res = {}
+            for name, p in (("f32", params), ("int8", q)):
+                def run(p=p):
+                    cache = jaxllm.init_cache(cfg, B, sinks=4, window=window)
+                    return jaxllm.generate(p, cfg, prompt, cache, sc).tokens
+                res[name] = B * a.decode_tokens / _time(run, 3)
+            lines.append(f"| decode tokens/s (StreamingLLM 4+{window}) | {B} | {res['f32']:.1f} |"
+                         f" {res['int8']:.1f} | {res['int8'] / res['f32']:.2f}x |")
     fwd = jax.jit(lambda p, t: jaxllm.model._forward(p, cfg, t, None, None)[0])
     for B in (1, 8):
         toks = jnp.asarray(ids[: B * 512].reshape(B, 512))
@@ -177,13 +178,17 @@ def speed(a) -> tuple[str, str]:
                      f"{res['int8']:.0f} | {res['int8'] / res['f32']:.2f}x |")
     notes = (f"Pythia-160M architecture, random weights; int8 = o1 (per-tensor weights, per-token "
              f"dynamic activations), embedding table int8 per row. Weights ratio {ratio:.3f} "
-             f"(target <= 0.27: {'met' if ratio <= 0.27 else 'NOT met'}); target speed-up >= 1.5x.")
+             f"(target <= 0.27: {'met' if ratio <= 0.27 else 'NOT met'}); target speed-up >= 1.5x. "
+             f"A decode step also reads the float32 KV cache several times (keys are re-rotated "
+             f"each step, REFERENCE §1); at batch 8 with 256 slots that traffic, not the "
+             f"matmuls, dominates on this CPU (~5 GB/s DRAM), so the 4+28 rows show the "
+             f"matmul-bound regime. The cache path is the evaluation issue's to speed up.")
     return "\n".join(lines), notes
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--train-steps", type=int, default=1500)
+    ap.add_argument("--train-steps", type=int, default=500)
     ap.add_argument("--n-seqs", type=int, default=64, help="calibration sequences")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-seqs", type=int, default=128, help="held-out sequences scored")

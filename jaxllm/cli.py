@@ -175,7 +175,7 @@ def cmd_quantize(a) -> None:
     ids = tok.encode(read_text(a.calib_text) if a.calib_text else builtin_corpus())
     try:
         q, info = quantize(params, cfg, ids, a.scheme, alpha, smooth=not a.no_smooth,
-                           smooth_down=a.smooth_down, real=not a.fake,
+                           smooth_down=a.smooth_down, real=not a.fake, bmm=a.int8_attention,
                            calib=CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len),
                            progress=not a.quiet, return_info=True)
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok.name,
@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--no-smooth", action="store_true", help="naive quantization, no smoothing")
     z.add_argument("--smooth-down", action="store_true",
                    help="SwiGLU: also smooth down_proj's input through up_proj")
+    z.add_argument("--int8-attention", action="store_true",
+                   help="also run the attention products QK^T and PV in INT8")
     z.add_argument("--fake", action="store_true",
                    help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
     z.add_argument("--calib-text", help="UTF-8 calibration text (default: the embedded corpus)")

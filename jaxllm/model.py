@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from . import cache as kvc
 from .config import ModelConfig
-from .quant import QKernel, qmatmul
+from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
 from .rope import apply_rope, inv_freq
 
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
@@ -94,30 +94,36 @@ class Norm(nn.Module):
         return y.astype(x.dtype)
 
 
-def _attend(scores_parts, value_parts, mask, cfg: ModelConfig):
+def _attend(scores_parts, value_parts, mask, cfg: ModelConfig, bmm: Optional[QAttention] = None):
     """softmax over the concatenated key axis, then the weighted sum of values (GQA-aware).
 
     scores_parts: [B, KVH, G, T, L_i] each; value_parts: [B, L_i, KVH, Dh]; mask [B, T, sum L_i].
     Only the (small) scores are concatenated; keys and values stay where they are, so a decode
-    step never copies the cache.
+    step never copies the cache. ``bmm``: run the probs x values products in INT8.
     """
     scores = jnp.concatenate(scores_parts, axis=-1) if len(scores_parts) > 1 else scores_parts[0]
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
+    p_scale = absmax_scale(probs, -1, True) if bmm is not None else None  # one per query row
     out, start = 0.0, 0
     for v in value_parts:
         p = probs[..., start:start + v.shape[1]]
-        out = out + jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
+        if bmm is not None:
+            out = out + pv(p, v.astype(jnp.float32), p_scale, bmm.real)
+        else:
+            out = out + jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
         start += v.shape[1]
     B, T = out.shape[:2]
     return out.reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, Dh]
 
 
-def _scores(q, k, cfg: ModelConfig):
+def _scores(q, k, cfg: ModelConfig, bmm: Optional[QAttention] = None):
     """q [B, T, H, Dh], k [B, L, KVH, Dh] -> [B, KVH, G, T, L] in float32, scaled."""
     B, T = q.shape[:2]
     G = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim).astype(jnp.float32)
+    if bmm is not None:
+        return qk_scores(q, k.astype(jnp.float32), bmm.real) / math.sqrt(cfg.head_dim)
     return jnp.einsum("btkgh,bskh->bkgts", q, k.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
 
 
@@ -131,13 +137,13 @@ def alibi_slopes(num_heads: int, bias_max: float) -> np.ndarray:
     return slopes.astype(np.float32)
 
 
-def _part_scores(q, q_pos, k, k_pos, freq, cfg: ModelConfig):
+def _part_scores(q, q_pos, k, k_pos, freq, cfg: ModelConfig, bmm=None):
     """Scores of queries at ``q_pos`` [B, T] against keys at ``k_pos`` [B, L], positions being
     in-cache positions: RoPE rotates both; ALiBi subtracts slope * (q_pos - k_pos), the contiguous
     in-cache distance (REFERENCE §1); learned absolute positions were added to the input."""
     if cfg.pos_emb == "rope":
         q, k = apply_rope(q, q_pos, freq), apply_rope(k, k_pos, freq)
-    s = _scores(q, k, cfg)  # [B, KVH, G, T, L]
+    s = _scores(q, k, cfg, bmm)  # [B, KVH, G, T, L]
     if cfg.pos_emb == "alibi":
         G = cfg.num_heads // cfg.num_kv_heads
         slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(cfg.num_kv_heads, G)
@@ -170,11 +176,12 @@ class Attention(nn.Module):
             return y.reshape(B, T, heads, cfg.head_dim)  # [B, T, heads, Dh]
 
         q, k, v = proj(cfg.num_heads, "q"), proj(cfg.num_kv_heads, "k"), proj(cfg.num_kv_heads, "v")
+        bmm = self.get_variable("params", "bmm")  # QAttention: INT8 QKᵀ and PV (SmoothQuant)
 
         if lay is None:  # plain causal forward, positions 0..T-1
             pos = jnp.broadcast_to(jnp.arange(T), (B, T))
             mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
-            ctx = _attend([_part_scores(q, pos, k, pos, freq, cfg)], [v], mask, cfg)
+            ctx = _attend([_part_scores(q, pos, k, pos, freq, cfg, bmm)], [v], mask, cfg, bmm)
             new_cache = None
         else:
             ck, cv = layer_cache
@@ -182,8 +189,8 @@ class Attention(nn.Module):
             # token-by-token process see identical keys even with a bfloat16 cache.
             k, v = k.astype(ck.dtype), v.astype(cv.dtype)
             qp = lay.rest_q_pos
-            scores = [_part_scores(q, qp, ck[:, sinks:], lay.ring_k_pos, freq, cfg),  # ring [.., W]
-                      _part_scores(q, qp, k, lay.chunk_k_pos, freq, cfg)]  # this chunk [.., T]
+            scores = [_part_scores(q, qp, ck[:, sinks:], lay.ring_k_pos, freq, cfg, bmm),  # ring
+                      _part_scores(q, qp, k, lay.chunk_k_pos, freq, cfg, bmm)]  # this chunk
             values = [cv[:, sinks:], v]
             rest_k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
             mask = lay.rest_mask & _within_window(qp, rest_k_pos, cfg)
@@ -191,12 +198,13 @@ class Attention(nn.Module):
                 sink_k = kvc.merge_sinks(ck, k, lay, sinks)  # [B, S, KVH, Dh]
                 sink_v = kvc.merge_sinks(cv, v, lay, sinks)
                 sink_pos = jnp.broadcast_to(jnp.arange(sinks), (B, sinks))
-                scores.insert(0, _part_scores(q, lay.sink_q_pos, sink_k, sink_pos, freq, cfg))
+                scores.insert(0, _part_scores(q, lay.sink_q_pos, sink_k, sink_pos, freq, cfg,
+                                              bmm))
                 values.insert(0, sink_v)
                 mask = jnp.concatenate([lay.sink_mask, mask], axis=-1)
             else:
                 sink_k = sink_v = ck[:, :0]
-            ctx = _attend(scores, values, mask, cfg)
+            ctx = _attend(scores, values, mask, cfg, bmm)
             new_cache = (kvc.write_chunk(ck, sink_k, k, lay, sinks),
                          kvc.write_chunk(cv, sink_v, v, lay, sinks))
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)

@@ -121,20 +121,62 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
     return (acc * sx * k.scale).astype(dtype)
 
 
+# ---- attention BMMs -----------------------------------------------------------------------------
+
+@struct.dataclass
+class QAttention:
+    """Marks a layer's attention BMMs as INT8 (the paper's O1-O3 run QKᵀ and PV in INT8 too).
+
+    No arrays: every scale is dynamic along an outer dimension of its product — q per (token,
+    head), k per (key, head), probabilities per query row, v per (head, channel) — so eq. 2 holds
+    and the epilogue is exact. Stored as ``params[layer]["attn"]["bmm"]``.
+    """
+
+    real: bool = struct.field(pytree_node=False, default=True)
+
+
+def _int8_einsum(eq: str, a: Array, b: Array, real: bool) -> Array:
+    if real:
+        return jnp.einsum(eq, a, b, preferred_element_type=jnp.int32).astype(jnp.float32)
+    return jnp.einsum(eq, a.astype(jnp.float32), b.astype(jnp.float32))
+
+
+def qk_scores(q: Float[Array, "b t k g h"], k: Float[Array, "b s k h"], real: bool
+              ) -> Float[Array, "b k g t s"]:
+    """q·kᵀ with both sides int8, per-token (and head) scales."""
+    sq_, sk = absmax_scale(q, -1, True), absmax_scale(k, -1, True)
+    acc = _int8_einsum("btkgh,bskh->bkgts", quantize(q, sq_), quantize(k, sk), real)
+    return acc * jnp.einsum("btkg->bkgt", sq_[..., 0])[..., None] * \
+        jnp.einsum("bsk->bks", sk[..., 0])[:, :, None, None, :]
+
+
+def pv(p: Float[Array, "b k g t s"], v: Float[Array, "b s k h"], p_scale: Array, real: bool
+       ) -> Float[Array, "b t k g h"]:
+    """probs · v with int8 probs (row scale ``p_scale`` [b, k, g, t, 1], shared by all key
+    parts of a row) and int8 v (per head and channel over its keys)."""
+    sv = absmax_scale(v, 1, True)  # [b, 1, k, h]
+    acc = _int8_einsum("bkgts,bskh->btkgh", quantize(p, p_scale), quantize(v, sv), real)
+    return acc * jnp.einsum("bkgt->btkg", p_scale[..., 0])[..., None] * sv[:, 0, :, None, :]
+
+
 # ---- (de)serialisation: QKernel nodes <-> plain dicts plus a spec of their static fields --------
 
 def to_plain(params) -> tuple[dict, dict]:
     """Nested dicts of arrays (for safetensors/orbax) and ``{path: {"act", "real"}}`` for every
-    quantized node, path joined by '/'."""
+    quantized node (``{"kind": "attention", "real"}`` for INT8 attention), path joined by '/'."""
     spec = {}
 
     def walk(node, path):
+        if isinstance(node, QAttention):  # no arrays: only its spec entry
+            spec[path] = {"kind": "attention", "real": node.real}
+            return None
         if isinstance(node, QKernel):
             spec[path] = {"act": node.act, "real": node.real}
             d = {"q": node.q, "scale": node.scale}
             return d if node.act_scale is None else dict(d, act_scale=node.act_scale)
         if isinstance(node, dict):
-            return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
+            out = {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
+            return {k: v for k, v in out.items() if v is not None}
         return node
     return walk(params, ""), spec
 
@@ -147,6 +189,9 @@ def from_plain(plain: dict, spec: dict) -> dict:
         node = out
         for p in parents:
             node = node[p]
+        if s.get("kind") == "attention":
+            node[leaf] = QAttention(real=s["real"])
+            continue
         d = node[leaf]
         node[leaf] = QKernel(d["q"], d["scale"], d.get("act_scale"), act=s["act"], real=s["real"])
     return out

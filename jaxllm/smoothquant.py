@@ -24,7 +24,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .model import Transformer
-from .quant import QKernel, quantize_rows, quantize_weight
+from .quant import QAttention, QKernel, quantize_rows, quantize_weight
 
 # scheme -> (weights per channel?, activation mode)
 SCHEMES = {"o1": (False, "token"), "o2": (False, "tensor"), "o3": (False, "static"),
@@ -177,7 +177,7 @@ def is_quantized(params) -> bool:
 
 
 def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict] = None,
-                    real: bool = True):
+                    real: bool = True, bmm: bool = False):
     """Every linear kernel (and the embedding table) of already smoothed float params as int8.
     ``stats``: smoothed per-channel input maxima, needed by the static scheme ``o3``."""
     per_channel, act = SCHEMES[scheme]
@@ -193,10 +193,13 @@ def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict]
         if act == "static":
             a_scale = float(np.max(stats[path])) / 127.0
         node["kernel"] = quantize_weight(w, per_channel, act, a_scale, real=real)
+    if bmm:
+        for i in range(cfg.num_layers):
+            out[f"layer_{i}"]["attn"]["bmm"] = QAttention(real=real)
     emb = out["embed"]
     emb["embedding"] = quantize_rows(jnp.asarray(emb["embedding"]),
                                      "none" if act == "none" else "token", real=real)
-    return jax.tree.map(jnp.asarray, out)
+    return jax.tree.map(jnp.asarray, out)  # QAttention has no leaves: kept as is
 
 
 def _smoothed_stats(stats: dict, groups, factors: dict) -> dict:
@@ -210,11 +213,13 @@ def _smoothed_stats(stats: dict, groups, factors: dict) -> dict:
 
 def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
              alpha: Union[float, str, None] = None, *, smooth: bool = True,
-             smooth_down: bool = False, real: bool = True, calib: CalibConfig = CalibConfig(),
+             smooth_down: bool = False, real: bool = True, bmm: bool = False,
+             calib: CalibConfig = CalibConfig(),
              progress: bool = False, return_info: bool = False):
     """SmoothQuant: calibrate on ``calib_tokens`` (token ids, 1-D stream), smooth with strength
     ``alpha`` (None: the family default; ``"auto"``: grid search on held-out calibration text
-    minimising the quantized model's loss) and quantize with ``scheme``.
+    minimising the quantized model's loss) and quantize with ``scheme``; ``bmm`` also runs the
+    attention products QKᵀ and PV in INT8; ``real=False`` gives fake-quant (float) arithmetic.
 
     Returns params that ``forward``/``generate`` take unchanged (with any cache), and with
     ``return_info=True`` also a dict (alpha used, per-alpha held-out loss for ``"auto"``).
@@ -238,13 +243,13 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
 
     def build(a):
         if not smooth:
-            return quantize_params(params, cfg, scheme, stats, real=real)
+            return quantize_params(params, cfg, scheme, stats, real=real, bmm=bmm)
         factors = smoothing_factors(params, stats, groups, a)
         sm = apply_smoothing(params, groups, factors)
         return quantize_params(sm, cfg, scheme, _smoothed_stats(stats, groups, factors),
-                               real=real)
+                               real=real, bmm=bmm)
 
-    info = {"scheme": scheme, "smooth": smooth, "real": real}
+    info = {"scheme": scheme, "smooth": smooth, "real": real, "int8_attention": bmm}
     if not smooth:
         return (build(None), info) if return_info else build(None)
     if auto:

@@ -208,3 +208,36 @@ def test_cli_quantize_then_every_command_takes_the_result(tmp_path, capsys):
                  "--cache", "32"]) == 0
     assert main(["quantize", "--model", out, "--out", str(tmp_path / "qq"), "--quiet"]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_int8_attention_bmms_follow_eq2():
+    """QKᵀ and PV with per-row scales along the products' outer dims, against numpy int64."""
+    rng = np.random.default_rng(7)
+    q = rng.normal(size=(1, 3, 2, 2, 8)).astype(np.float32)  # [b, t, kvh, g, h]
+    k = rng.normal(size=(1, 5, 2, 8)).astype(np.float32)  # [b, s, kvh, h]
+    sq_, sk = np.abs(q).max(-1, keepdims=True) / 127, np.abs(k).max(-1, keepdims=True) / 127
+    qb, kb = np.round(q / sq_).astype(np.int64), np.round(k / sk).astype(np.int64)
+    want = np.einsum("btkgh,bskh->bkgts", qb, kb) * np.einsum(
+        "btkg->bkgt", sq_[..., 0])[..., None] * np.einsum("bsk->bks", sk[..., 0])[:, :, None,
+                                                                              None, :]
+    np.testing.assert_allclose(quant.qk_scores(q, k, True), want, rtol=1e-6)
+    p = rng.uniform(size=(1, 2, 2, 3, 5)).astype(np.float32)  # [b, kvh, g, t, s]
+    v = rng.normal(size=(1, 5, 2, 8)).astype(np.float32)
+    sp, sv = p.max(-1, keepdims=True) / 127, np.abs(v).max(1, keepdims=True) / 127
+    pb, vb = np.round(p / sp).astype(np.int64), np.round(v / sv).astype(np.int64)
+    want = np.einsum("bkgts,bskh->btkgh", pb, vb) * np.einsum(
+        "bkgt->btkg", sp[..., 0])[..., None] * sv[:, 0, :, None, :]
+    np.testing.assert_allclose(quant.pv(p, v, jnp.asarray(sp), True), want, rtol=1e-6)
+
+
+def test_int8_attention_option(outlier_model, tmp_path):
+    params, toks, ref = outlier_model
+    real = sq.quantize(params, LLAMA, IDS, "o1", 0.8, calib=CC, bmm=True)
+    fake = sq.quantize(params, LLAMA, IDS, "o1", 0.8, calib=CC, bmm=True, real=False)
+    got = jaxllm.forward(real, LLAMA, toks)[0]
+    np.testing.assert_allclose(got, jaxllm.forward(fake, LLAMA, toks)[0], atol=1e-5, rtol=0)
+    assert float(jnp.sqrt(jnp.mean((got - ref) ** 2)) / jnp.std(ref)) < 0.06
+    jaxllm.save_model(str(tmp_path / "m"), LLAMA, real)
+    _, back, _ = jaxllm.load_model(str(tmp_path / "m"))
+    assert isinstance(back["layer_0"]["attn"]["bmm"], quant.QAttention)
+    np.testing.assert_array_equal(jaxllm.forward(back, LLAMA, toks)[0], got)

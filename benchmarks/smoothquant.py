@@ -70,7 +70,9 @@ def outlier_ratio(stats: dict) -> float:
     return max(float(v.max() / np.median(v)) for k, v in stats.items() if k.endswith("attn/q"))
 
 
-def inject_outliers(params, cfg, channels=(3, 17, 60, 101), gain=60.0):
+def inject_outliers(params, cfg, channels=(3, 17, 60, 101), gain=100.0):
+    """LLM-like outliers (~100x the typical magnitude, SmoothQuant §3) on a few channels of every
+    norm output, with the function unchanged: gains and biases x gain, reading rows / gain."""
     p = jax.tree.map(np.array, jax.device_get(params))
     f = np.ones(cfg.hidden_size, np.float32)
     f[list(channels)] = gain
@@ -121,20 +123,24 @@ def accuracy(a) -> tuple[str, str]:
     lines = ["| model | scheme | alpha | ppl | vs float |", "|---|---|---:|---:|---:|"]
     for name, scheme, alpha, p in rows:
         lines.append(f"| {name} | {scheme} | {alpha} | {p:.3f} | {100 * (p / base - 1):+.1f}% |")
-    naive = min(p for n, _, _, p in rows if n.startswith("naive"))
+    naive = {sc: p for n, sc, _, p in rows if n.startswith("naive")}
     best = {s: min(p for n, sc, _, p in rows if n.startswith("SmoothQuant") and sc == s)
             for s in ("o1", "o3")}
     notes = (f"Model: {cfg.num_layers}-layer, {cfg.hidden_size}-wide byte-level GPT-NeoX trained "
              f"{a.train_steps} steps on 90% of the embedded corpus; ppl over "
              f"{test.size} held-out bytes (the last 10%). Largest/median channel max of the "
              f"attention input: {natural:.1f}x"
-             + (" — no natural outliers, so 4 channels were given x60 norm gains (function "
+             + (" — no natural outliers, so 4 channels were given x100 norm gains (function "
                 "unchanged; float ppl is the trained model's)." if injected else ".")
-             + f" Targets: naive > +20%: best naive {100 * (naive / base - 1):+.1f}% "
-             f"({'met' if naive / base > 1.2 else 'NOT met'}); O1 within 2%: "
+             + f" Targets: naive W8A8 (the paper's baseline, per-tensor dynamic = o2 without "
+             f"smoothing) > +20%: {100 * (naive['o2'] / base - 1):+.1f}% "
+             f"({'met' if naive['o2'] / base > 1.2 else 'NOT met'}); O1 within 2%: "
              f"{100 * (best['o1'] / base - 1):+.1f}% ({'met' if best['o1'] / base <= 1.02 else 'NOT met'})"
              f"; O3 within 5%: {100 * (best['o3'] / base - 1):+.1f}% "
-             f"({'met' if best['o3'] / base <= 1.05 else 'NOT met'}).")
+             f"({'met' if best['o3'] / base <= 1.05 else 'NOT met'})."
+             + (" Caveat: injected outliers are a per-channel scaling, exactly what smoothing "
+                "undoes, so the smoothed rows are an upper bound on recovery; natural outliers "
+                "of a larger trained model are the harder test." if injected else ""))
     return "\n".join(lines), notes
 
 

@@ -176,6 +176,7 @@ def cmd_quantize(a) -> None:
     try:
         q, info = quantize(params, cfg, ids, a.scheme, alpha, smooth=not a.no_smooth,
                            smooth_down=a.smooth_down, real=not a.fake, bmm=a.int8_attention,
+                           per_channel=True if a.per_channel_weights else None,
                            calib=CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len),
                            progress=not a.quiet, return_info=True)
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok.name,
@@ -259,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--no-smooth", action="store_true", help="naive quantization, no smoothing")
     z.add_argument("--smooth-down", action="store_true",
                    help="SwiGLU: also smooth down_proj's input through up_proj")
+    z.add_argument("--per-channel-weights", action="store_true",
+                   help="per-output-channel weight scales instead of the scheme's per-tensor")
     z.add_argument("--int8-attention", action="store_true",
                    help="also run the attention products QK^T and PV in INT8")
     z.add_argument("--fake", action="store_true",

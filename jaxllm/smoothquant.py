@@ -177,10 +177,11 @@ def is_quantized(params) -> bool:
 
 
 def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict] = None,
-                    real: bool = True, bmm: bool = False):
+                    real: bool = True, bmm: bool = False, per_channel: Optional[bool] = None):
     """Every linear kernel (and the embedding table) of already smoothed float params as int8.
     ``stats``: smoothed per-channel input maxima, needed by the static scheme ``o3``."""
-    per_channel, act = SCHEMES[scheme]
+    scheme_channel, act = SCHEMES[scheme]
+    per_channel = scheme_channel if per_channel is None else per_channel
     out = jax.tree.map(np.asarray, jax.device_get(params))  # a fresh tree to fill in
     for path in _linear_paths(out):
         node = _get(out, path)
@@ -214,12 +215,13 @@ def _smoothed_stats(stats: dict, groups, factors: dict) -> dict:
 def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
              alpha: Union[float, str, None] = None, *, smooth: bool = True,
              smooth_down: bool = False, real: bool = True, bmm: bool = False,
-             calib: CalibConfig = CalibConfig(),
+             per_channel: Optional[bool] = None, calib: CalibConfig = CalibConfig(),
              progress: bool = False, return_info: bool = False):
     """SmoothQuant: calibrate on ``calib_tokens`` (token ids, 1-D stream), smooth with strength
     ``alpha`` (None: the family default; ``"auto"``: grid search on held-out calibration text
     minimising the quantized model's loss) and quantize with ``scheme``; ``bmm`` also runs the
-    attention products QKᵀ and PV in INT8; ``real=False`` gives fake-quant (float) arithmetic.
+    attention products QKᵀ and PV in INT8; ``per_channel`` overrides the scheme's weight
+    granularity; ``real=False`` gives fake-quant (float) arithmetic.
 
     Returns params that ``forward``/``generate`` take unchanged (with any cache), and with
     ``return_info=True`` also a dict (alpha used, per-alpha held-out loss for ``"auto"``).
@@ -243,11 +245,11 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
 
     def build(a):
         if not smooth:
-            return quantize_params(params, cfg, scheme, stats, real=real, bmm=bmm)
+            return quantize_params(params, cfg, scheme, stats, real, bmm, per_channel)
         factors = smoothing_factors(params, stats, groups, a)
         sm = apply_smoothing(params, groups, factors)
-        return quantize_params(sm, cfg, scheme, _smoothed_stats(stats, groups, factors),
-                               real=real, bmm=bmm)
+        return quantize_params(sm, cfg, scheme, _smoothed_stats(stats, groups, factors), real,
+                               bmm, per_channel)
 
     info = {"scheme": scheme, "smooth": smooth, "real": real, "int8_attention": bmm}
     if not smooth:

@@ -109,11 +109,15 @@ def outlier_model():
     return params, toks, jaxllm.forward(params, LLAMA, toks)[0]
 
 
-@pytest.mark.parametrize("scheme", ["o1", "o2", "o3", "w8"])
-def test_real_and_fake_quant_agree(scheme, outlier_model):
+@pytest.mark.parametrize("scheme,per_channel", [("o1", None), ("o2", None), ("o3", None),
+                                                ("w8", None), ("o1", True)])
+def test_real_and_fake_quant_agree(scheme, per_channel, outlier_model):
     params, toks, _ = outlier_model
-    real = sq.quantize(params, LLAMA, IDS, scheme, 0.8, calib=CC)
-    fake = sq.quantize(params, LLAMA, IDS, scheme, 0.8, calib=CC, real=False)
+    real = sq.quantize(params, LLAMA, IDS, scheme, 0.8, calib=CC, per_channel=per_channel)
+    fake = sq.quantize(params, LLAMA, IDS, scheme, 0.8, calib=CC, real=False,
+                       per_channel=per_channel)
+    want = (LLAMA.hidden_size,) if (per_channel or scheme == "w8") else ()
+    assert real["layer_0"]["attn"]["q"]["kernel"].scale.shape == want
     assert isinstance(real["layer_0"]["attn"]["q"]["kernel"], quant.QKernel)
     assert real["layer_0"]["attn"]["q"]["kernel"].q.dtype == jnp.int8
     np.testing.assert_allclose(jaxllm.forward(real, LLAMA, toks)[0],

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import numpy as np
+
 DEFAULT_MODEL = "random:pythia-tiny"
 RANDOM_NOTE = ("note: {model} has random weights, so its perplexities and text are noise; "
                "pass --model DIR for a trained model")
@@ -51,22 +53,39 @@ def _load(model: str, need_tokenizer: bool = True):
     return cfg, params, tok
 
 
-def cmd_ppl(a) -> None:
-    from .corpus import builtin_corpus
-    from .ppl import PplConfig, plot_nll, run_ppl
+def _ppl_config(a):
+    """The cache policy of --method/--sinks/--cache/--chunk (sinks default: 4 for streaming)."""
+    from .ppl import PplConfig
     if a.method in ("dense", "window"):
         sinks = a.sinks or 0
     else:
         sinks = (4 if a.method == "streaming" else 0) if a.sinks is None else a.sinks
     try:
-        pc = PplConfig(method=a.method, sinks=sinks, cache=a.cache, chunk=a.chunk)
+        return PplConfig(method=a.method, sinks=sinks, cache=a.cache, chunk=a.chunk)
     except ValueError as e:
         raise CliError(str(e)) from None
-    text = read_text(a.text) if a.text else builtin_corpus()
-    cfg, params, tok = _load(a.model)
+
+
+def _check_streamable(cfg, pc) -> None:
     if cfg.pos_emb == "learned" and pc.method in ("window", "streaming"):
         raise CliError(f"{cfg.family} has learned absolute positions, so it cannot stream; use "
                        f"--method dense or recompute (with --cache <= {cfg.max_seq_len})")
+
+
+def _write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+    print(f"wrote {path}")
+
+
+def cmd_ppl(a) -> None:
+    from .corpus import builtin_corpus
+    from .ppl import plot_nll, run_ppl
+    pc = _ppl_config(a)
+    text = read_text(a.text) if a.text else builtin_corpus()
+    cfg, params, tok = _load(a.model)
+    _check_streamable(cfg, pc)
     ids = tok.encode(text)
     if a.max_tokens:
         if a.max_tokens < 2:
@@ -81,10 +100,7 @@ def cmd_ppl(a) -> None:
             f"{summary['tokens_per_s']:.0f} tok/s, peak RSS {summary['peak_rss_mb']:.0f} MiB")
     print(line)
     if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"wrote {a.json}")
+        _write_json(a.json, summary)
     if a.plot:
         os.makedirs(os.path.dirname(os.path.abspath(a.plot)), exist_ok=True)
         plot_nll(nll, a.plot, f"{a.model} · {line.split(':')[0]} · ppl {summary['ppl']:.2f}")
@@ -202,6 +218,64 @@ def _float(s: str, flag: str) -> float:
         raise CliError(f"{flag} must be a number in [0, 1] or 'auto', got {s!r}") from None
 
 
+def cmd_eval(a) -> None:
+    """StreamEval, passkey and attention-sink analysis; each writes OUT.json next to OUT.png."""
+    from .evals import attention as att
+    from .evals import passkey, streameval
+    from .evals.common import score_task
+    cfg, params, tok = _load(a.model)
+    result = {"model": a.model, "task": a.task}
+    if a.task == "sinks":
+        from .corpus import builtin_corpus
+        ids = np.asarray(tok.encode(builtin_corpus()), np.int32)
+        need = a.n * a.seq_len
+        if len(ids) < need:
+            raise CliError(f"the corpus has {len(ids)} tokens; --n x --seq-len needs {need}")
+        starts = np.random.default_rng(a.seed).integers(0, len(ids) - a.seq_len, a.n)
+        maps = att.attention_maps(params, cfg, np.stack([ids[s:s + a.seq_len] for s in starts]))
+        result.update(att.sink_metric(maps, 0, a.eps), n=a.n, seq_len=a.seq_len)
+        print(f"sink metric (share of heads with mean attention to token 0 > {a.eps}): "
+              f"{result['overall']:.2f}; per layer "
+              + " ".join(f"{x:.2f}" for x in result["per_layer"]))
+        att.plot_maps(maps, a.out + ".png", f"{a.model}: attention over the first 16 tokens, "
+                      f"sink metric {result['overall']:.2f}")
+    else:
+        pc = _ppl_config(a)
+        _check_streamable(cfg, pc)
+        result.update(method=pc.method, sinks=pc.sinks, cache=pc.cache)
+        if a.task == "streameval":
+            task = streameval.streameval_task(a.lines, tok.encode, a.seed)
+            ok = score_task(params, cfg, task, pc, progress=not a.quiet)
+            rows = streameval.accuracy_by_length(task, ok, a.bucket)
+            result.update(tokens=int(len(task.ids)), queries=len(ok), accuracy=float(ok.mean()),
+                          by_length=rows)
+            print(f"StreamEval {pc.method} {pc.sinks}+{pc.cache - pc.sinks}: accuracy "
+                  f"{ok.mean():.3f} over {len(ok)} queries, {len(task.ids)} tokens")
+            streameval.plot_accuracy(rows, a.out + ".png", f"{a.model} · StreamEval · "
+                                     f"{pc.method} {pc.sinks}+{pc.cache - pc.sinks}")
+        else:
+            lengths = [int(x) for x in a.lengths.split(",")]
+            depths = [float(x) for x in a.depths.split(",")]
+            rng = np.random.default_rng(a.seed)
+            grid = np.zeros((len(lengths), len(depths)))
+            for i, n in enumerate(lengths):
+                for j, d in enumerate(depths):
+                    keys = [f"{k:05d}" for k in rng.integers(0, 100_000, a.trials)]
+                    grid[i, j] = np.mean([score_task(params, cfg, passkey.passkey_task(
+                        n, d, k, tok.encode), pc)[0] for k in keys])
+                    if not a.quiet:
+                        print(f"  {n} tokens, depth {d:.2f}: {grid[i, j]:.2f}", flush=True)
+            result.update(lengths=lengths, depths=depths, trials=a.trials,
+                          accuracy=grid.tolist(), mean=float(grid.mean()))
+            print(f"passkey {pc.method} {pc.sinks}+{pc.cache - pc.sinks}: mean accuracy "
+                  f"{grid.mean():.3f}")
+            passkey.plot_heatmap(grid, lengths, depths, a.out + ".png",
+                                 f"{a.model} · passkey · {pc.method} "
+                                 f"{pc.sinks}+{pc.cache - pc.sinks}")
+    print(f"wrote {a.out}.png")
+    _write_json(a.out + ".json", result)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxllm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -274,6 +348,37 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--json", help="write what was chosen (alpha, search losses) here")
     z.add_argument("--quiet", action="store_true", help="no progress bars")
     z.set_defaults(fn=cmd_quantize)
+
+    ev = sub.add_parser("eval", help="StreamEval, passkey retrieval, attention-sink analysis")
+    evs = ev.add_subparsers(dest="task", required=True)
+    for name, hlp in (("streameval", "register lines queried 20 lines back (StreamingLLM Fig. 9)"),
+                      ("passkey", "a 5-digit key hidden in filler, by length and depth"),
+                      ("sinks", "attention maps and the sink metric per layer")):
+        t = evs.add_parser(name, help=hlp)
+        t.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+        t.add_argument("--out", default=f"eval_out/{name}",
+                       help="writes OUT.json and OUT.png (default %(default)s)")
+        t.add_argument("--seed", type=int, default=0)
+        t.add_argument("--quiet", action="store_true", help="no progress output")
+        if name == "sinks":
+            t.add_argument("--n", type=int, default=16, help="sequences averaged")
+            t.add_argument("--seq-len", type=int, default=256)
+            t.add_argument("--eps", type=float, default=0.3, help="sink threshold")
+        else:
+            t.add_argument("--method", default="streaming",
+                           help="dense | window | recompute | streaming (default %(default)s)")
+            t.add_argument("--sinks", type=int, default=None)
+            t.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
+            t.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
+        if name == "streameval":
+            t.add_argument("--lines", type=int, default=400, help="register lines in the stream")
+            t.add_argument("--bucket", type=int, default=2000,
+                           help="report accuracy per this many tokens of input")
+        if name == "passkey":
+            t.add_argument("--lengths", default="500,1000,2000", help="stream lengths (tokens)")
+            t.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="key depths in [0, 1]")
+            t.add_argument("--trials", type=int, default=5, help="keys per length and depth")
+        t.set_defaults(fn=cmd_eval)
 
     e = sub.add_parser("export-hf", help="write a GPT-NeoX/Llama/Mistral model in HF format")
     e.add_argument("--model", required=True, help=MODEL_HELP.replace(" (default %(default)s)", ""))

@@ -114,7 +114,7 @@ def _attend(scores_parts, value_parts, mask, cfg: ModelConfig, bmm: Optional[QAt
             out = out + jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
         start += v.shape[1]
     B, T = out.shape[:2]
-    return out.reshape(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, H, Dh]
+    return out.reshape(B, T, cfg.num_heads, cfg.head_dim), probs  # [B, T, H, Dh]
 
 
 def _scores(q, k, cfg: ModelConfig, bmm: Optional[QAttention] = None):
@@ -181,7 +181,12 @@ class Attention(nn.Module):
         if lay is None:  # plain causal forward, positions 0..T-1
             pos = jnp.broadcast_to(jnp.arange(T), (B, T))
             mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
-            ctx = _attend([_part_scores(q, pos, k, pos, freq, cfg, bmm)], [v], mask, cfg, bmm)
+            ctx, probs = _attend([_part_scores(q, pos, k, pos, freq, cfg, bmm)], [v], mask, cfg,
+                                 bmm)
+            # Attention maps for analysis (jaxllm.evals.attention), kept only when
+            # "intermediates" is mutable.
+            self.sow("intermediates", "probs", probs.reshape(B, cfg.num_heads, T, T),
+                     reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
             new_cache = None
         else:
             ck, cv = layer_cache
@@ -204,7 +209,7 @@ class Attention(nn.Module):
                 mask = jnp.concatenate([lay.sink_mask, mask], axis=-1)
             else:
                 sink_k = sink_v = ck[:, :0]
-            ctx = _attend(scores, values, mask, cfg, bmm)
+            ctx, _ = _attend(scores, values, mask, cfg, bmm)
             new_cache = (kvc.write_chunk(ck, sink_k, k, lay, sinks),
                          kvc.write_chunk(cv, sink_v, v, lay, sinks))
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)

@@ -50,19 +50,24 @@ class PplConfig:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
 
 
+def _score(logits, targets):
+    """NLL of each target and whether it is the argmax (greedy decoding would produce it)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    return nll, jnp.argmax(logits, axis=-1) == targets
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens):
     logits, cache = _forward(params, cfg, toks, cache, lens)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0], cache
+    return _score(logits, targets), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _nll_last(params, cfg: ModelConfig, windows, targets):
     """Plain forward on each window [R, L]; NLL of ``targets`` [R] from the last position."""
     logits, _ = _forward(params, cfg, windows, None, None)
-    logp = jax.nn.log_softmax(logits[:, -1], axis=-1)
-    return -jnp.take_along_axis(logp, targets[:, None], -1)[:, 0]
+    return _score(logits[:, -1], targets)
 
 
 def _cached_nll(params, cfg, tokens, pc: PplConfig, bar):
@@ -73,28 +78,27 @@ def _cached_nll(params, cfg, tokens, pc: PplConfig, bar):
         sinks = pc.sinks if pc.method == "streaming" else 0
         cache = init_cache(cfg, 1, sinks=sinks, window=pc.cache - sinks)
     C = min(pc.chunk, n)
-    nll = np.empty(n, np.float32)
+    nll, hit = np.empty(n, np.float32), np.empty(n, bool)
     for s in range(0, n, C):
         m = min(C, n - s)
         # The last chunk is padded to C (padding is never written) so nothing recompiles.
         toks = np.zeros((1, C), np.int32)
         tgts = np.zeros((1, C), np.int32)
         toks[0, :m], tgts[0, :m] = tokens[s:s + m], tokens[s + 1:s + 1 + m]
-        out, cache = _nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32))
-        nll[s:s + m] = np.asarray(out)[0, :m]
+        (out, ok), cache = _nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32))
+        nll[s:s + m], hit[s:s + m] = np.asarray(out)[0, :m], np.asarray(ok)[0, :m]
         bar.update(m)
-    return nll
+    return nll, hit
 
 
 def _recompute_nll(params, cfg, tokens, pc: PplConfig, bar):
     n, S, L = len(tokens) - 1, pc.sinks, pc.cache
     W = L - S
     first = min(L, n)  # while t < L nothing is evicted: one causal forward is exact
-    nll = np.empty(n, np.float32)
+    nll, hit = np.empty(n, np.float32), np.empty(n, bool)
     logits, _ = _forward(params, cfg, jnp.asarray(tokens[None, :first], jnp.int32), None, None)
-    logp = jax.nn.log_softmax(logits[0], -1)
-    nll[:first] = np.asarray(-jnp.take_along_axis(logp, jnp.asarray(tokens[1:first + 1])[:, None],
-                                                  -1)[:, 0])
+    out, ok = _score(logits[0], jnp.asarray(tokens[1:first + 1]))
+    nll[:first], hit[:first] = np.asarray(out), np.asarray(ok)
     bar.update(first)
     R = max(1, min(64, 16384 // L))  # windows per forward call
     sink_part = tokens[:S]
@@ -105,15 +109,23 @@ def _recompute_nll(params, cfg, tokens, pc: PplConfig, bar):
         pad = R - len(ts)
         if pad:
             wins, tg = np.concatenate([wins, np.repeat(wins[-1:], pad, 0)]), np.pad(tg, (0, pad))
-        out = _nll_last(params, cfg, jnp.asarray(wins, jnp.int32), jnp.asarray(tg, jnp.int32))
-        nll[ts] = np.asarray(out)[:len(ts)]
+        out, ok = _nll_last(params, cfg, jnp.asarray(wins, jnp.int32), jnp.asarray(tg, jnp.int32))
+        nll[ts], hit[ts] = np.asarray(out)[:len(ts)], np.asarray(ok)[:len(ts)]
         bar.update(len(ts))
-    return nll
+    return nll, hit
 
 
 def stream_nll(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
                progress: bool = False) -> np.ndarray:
     """NLL (nats) of tokens[1:], each predicted from what ``pc.method`` keeps of its past."""
+    return stream_score(params, cfg, tokens, pc, progress)[0]
+
+
+def stream_score(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
+                 progress: bool = False, desc: Optional[str] = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(NLL, argmax hit) of tokens[1:], each predicted from what ``pc.method`` keeps of its past.
+    A span of hits is an exact match: greedy decoding from its prefix would produce it."""
     from tqdm.auto import tqdm
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if tokens.size < 2:
@@ -122,7 +134,7 @@ def stream_nll(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}); got {tokens.min()}.."
                          f"{tokens.max()}: does the tokenizer match the model?")
     with tqdm(total=tokens.size - 1, unit="tok", unit_scale=True, disable=not progress,
-              desc=f"ppl {pc.method}") as bar:
+              desc=desc or f"ppl {pc.method}") as bar:
         fn = _recompute_nll if pc.method == "recompute" else _cached_nll
         return fn(params, cfg, tokens, pc, bar)
 

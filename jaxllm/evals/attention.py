@@ -1,0 +1,74 @@
+"""Attention sinks in a model's own attention maps (StreamingLLM Fig. 2 and 7; REFERENCE §2).
+
+The sink metric (Gu et al., "When Attention Sink Emerges"): for layer l and head h,
+α(l, h) = mean over queries t >= k of the attention from t to token k; the metric is the share of
+(layer, head) pairs with α > ε (ε = 0.3), reported per layer and overall, for k = 0 by default.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+from ..model import Transformer
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _maps(params, cfg: ModelConfig, tokens):
+    _, state = Transformer(cfg).apply({"params": params}, tokens, None, None,
+                                      mutable=["intermediates"])
+    inter = state["intermediates"]
+    # [L, B, H, T, T] -> mean over the batch
+    return jnp.stack([inter[f"layer_{i}"]["attn"]["probs"].mean(0)
+                      for i in range(cfg.num_layers)])
+
+
+def attention_maps(params, cfg: ModelConfig, seqs: np.ndarray, batch: int = 4) -> np.ndarray:
+    """Attention probabilities [layers, heads, T, T] averaged over the sequences [N, T]."""
+    seqs = np.asarray(seqs, np.int32)
+    total = None
+    for i in range(0, len(seqs), batch):
+        chunk = seqs[i:i + batch]
+        m = np.asarray(_maps(params, cfg, jnp.asarray(chunk))) * len(chunk)
+        total = m if total is None else total + m
+    return total / len(seqs)
+
+
+def head_attention_to(maps: np.ndarray, k: int = 0) -> np.ndarray:
+    """α(l, h): mean attention to token k over the queries that can see it, [layers, heads]."""
+    return maps[:, :, k:, k].mean(-1)
+
+
+def sink_metric(maps: np.ndarray, k: int = 0, eps: float = 0.3) -> dict:
+    """Share of (layer, head) pairs whose mean attention to token k exceeds ``eps``."""
+    alpha = head_attention_to(maps, k)
+    per_layer = (alpha > eps).mean(1)
+    return {"token": k, "eps": eps, "overall": float((alpha > eps).mean()),
+            "per_layer": [float(x) for x in per_layer],
+            "mean_attention_per_layer": [float(x) for x in alpha.mean(1)]}
+
+
+def plot_maps(maps: np.ndarray, path: str, title: str, n: int = 16) -> None:
+    """The head-averaged attention map of each layer over the first ``n`` tokens (Fig. 2)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    L = maps.shape[0]
+    cols = min(L, 6)
+    rows = -(-L // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 2.4 * rows + 0.4), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i >= L:
+            ax.axis("off")
+            continue
+        ax.imshow(maps[i, :, :n, :n].mean(0), cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(f"layer {i}", fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,47 @@
+"""Passkey retrieval (Mohtashami & Jaggi 2023; REFERENCE §5): a 5-digit key hidden at a given
+depth of repeated filler, asked for at the end. One stream per trial."""
+from __future__ import annotations
+
+from .common import Task, build
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+          "again. ")
+KEY = "The pass key is {k}. Remember it. {k} is the pass key. "
+ASK = "What is the pass key? The pass key is "
+
+
+def passkey_task(n_tokens: int, depth: float, key: str, encode) -> Task:
+    """About ``n_tokens`` tokens of filler with the key sentence at ``depth`` (0 = start,
+    1 = just before the question)."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+    if not (len(key) == 5 and key.isdigit()):
+        raise ValueError(f"the pass key is 5 digits, got {key!r}")
+    per = max(1, len(encode(FILLER)))
+    fixed = len(encode(KEY.format(k=key) + ASK)) + len(encode(key))
+    n_fill = max(0, (n_tokens - fixed) // per)
+    before = round(n_fill * depth)
+    segments = [(FILLER * before + KEY.format(k=key) + FILLER * (n_fill - before) + ASK, False, {}),
+                (key, True, {"depth": depth, "tokens": n_tokens})]
+    return build(segments, encode)
+
+
+def plot_heatmap(grid, lengths, depths, path: str, title: str) -> None:
+    """Accuracy by stream length (rows) and key depth (columns)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(1.1 * len(depths) + 2, 0.5 * len(lengths) + 1.6))
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel("key depth")
+    ax.set_ylabel("tokens")
+    for i in range(len(lengths)):
+        for j in range(len(depths)):
+            ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=ax)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

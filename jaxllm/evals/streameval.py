@@ -1,0 +1,56 @@
+"""StreamEval (StreamingLLM §4.3, Fig. 9; REFERENCE §1): a stream of register lines,
+"The REGISTER_CONTENT in line {i} is <{5 digits}>.", with a query after every ``every`` new lines
+about the line ``lookback`` lines back. The query repeats that line's format, so the answer is
+the 5 digits; it is scored by exact match and then stays in the stream, as text would."""
+from __future__ import annotations
+
+import numpy as np
+
+from .common import Task, build
+
+LINE = "The REGISTER_CONTENT in line {i} is <{value}>.\n"
+
+
+def streameval_task(n_lines: int, encode, seed: int = 0, every: int = 10,
+                    lookback: int = 20) -> Task:
+    """``n_lines`` register lines with queries interleaved; span meta: line, asked, position."""
+    if n_lines < lookback or every < 1 or lookback < 1:
+        raise ValueError(f"need n_lines >= lookback ({lookback}) and every, lookback >= 1")
+    rng = np.random.default_rng(seed)
+    values = [f"{v:05d}" for v in rng.integers(0, 100_000, n_lines)]
+    segments = []
+    for i in range(n_lines):
+        segments.append((LINE.format(i=i, value=values[i]), False, {}))
+        if (i + 1) % every == 0 and i + 1 >= lookback:
+            j = i + 1 - lookback  # lookback lines back from the next line
+            segments += [(f"The REGISTER_CONTENT in line {j} is <", False, {}),
+                         (values[j], True, {"line": i + 1, "asked": j}),
+                         (">.\n", False, {})]
+    return build(segments, encode)
+
+
+def accuracy_by_length(task: Task, matches: np.ndarray, bucket: int) -> list[dict]:
+    """Exact-match accuracy of the queries whose answer starts in each ``bucket``-token slice."""
+    out = {}
+    for (s, _), ok in zip(task.spans, matches):
+        b = s // bucket
+        n, k = out.get(b, (0, 0))
+        out[b] = (n + 1, k + int(ok))
+    return [{"start": b * bucket, "end": (b + 1) * bucket, "queries": n, "accuracy": k / n}
+            for b, (n, k) in sorted(out.items())]
+
+
+def plot_accuracy(rows: list[dict], path: str, title: str) -> None:
+    """Exact-match accuracy against input length (Fig. 9)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot([r["end"] for r in rows], [r["accuracy"] for r in rows], marker="o")
+    ax.set_xlabel("input length (tokens)")
+    ax.set_ylabel("exact-match accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

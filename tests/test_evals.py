@@ -1,0 +1,140 @@
+"""Evaluations: the generators checked on hand-written cases, the scorer against oracles and
+against greedy decoding, the sink metric on hand-made maps, attention maps against transformers."""
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm.evals import passkey_task, score_task, streameval_task
+from jaxllm.evals import attention as att
+from jaxllm.evals.common import Task, exact_matches
+from jaxllm.ppl import PplConfig
+
+TOK = jaxllm.ByteTokenizer()
+
+
+def test_streameval_stream_is_the_papers_format():
+    task = streameval_task(40, TOK.encode, seed=3)
+    text = TOK.decode(task.ids)
+    lines = text.strip("\n").split("\n")
+    values = {int(m[1]): m[2] for m in (re.fullmatch(r"The REGISTER_CONTENT in line (\d+) is <(\d{5})>\.",
+                                                        ln) for ln in lines) if m}
+    # 40 register lines and a query after lines 20, 30, 40 about lines 0, 10, 20: the query
+    # repeats the line's own format, so it also parses as that line
+    assert len(lines) == 43
+    assert [m["asked"] for m in task.meta] == [0, 10, 20]
+    assert [m["line"] for m in task.meta] == [20, 30, 40]
+    for (s, e), m in zip(task.spans, task.meta):
+        assert TOK.decode(task.ids[s:e]) == values[m["asked"]]
+        assert TOK.decode(task.ids[s - 38:s]).endswith(f"in line {m['asked']} is <")
+    assert lines[20] == f"The REGISTER_CONTENT in line 0 is <{values[0]}>."
+
+
+def oracle_hits(task: Task, wrong_spans=()):
+    """Per-token hits of a model predicting ``pred`` (default: the text itself)."""
+    pred = task.ids[1:].copy()
+    for (s, e), digits in wrong_spans:
+        pred[s - 1:e - 1] = TOK.encode(digits)
+    return pred == task.ids[1:]
+
+
+def test_streameval_oracle_scores_all_and_repeat_last_scores_none():
+    task = streameval_task(120, TOK.encode, seed=1)
+    assert exact_matches(oracle_hits(task), task.spans).all()
+    # "repeat the last number": answer with the value of the line just before the query
+    text = TOK.decode(task.ids)
+    wrong = []
+    for s, e in task.spans:
+        last = re.findall(r"<(\d{5})>", TOK.decode(task.ids[:s]))[-1]
+        wrong.append(((s, e), last))
+    assert not exact_matches(oracle_hits(task, wrong), task.spans).any()
+    assert text.count("REGISTER_CONTENT") == 120 + len(task.spans)
+
+
+def test_passkey_stream():
+    for depth in (0.0, 0.5, 1.0):
+        task = passkey_task(800, depth, "31415", TOK.encode)
+        text = TOK.decode(task.ids)
+        assert abs(len(task.ids) - 800) < 100
+        assert text.count("31415") == 3 and text.endswith("The pass key is 31415")
+        where = text.index("The pass key is 31415.") / len(text)
+        assert abs(where - depth * 0.88) < 0.15  # the question sits after the filler
+        assert exact_matches(oracle_hits(task), task.spans).all()
+        assert not exact_matches(oracle_hits(task, [(task.spans[0], "00000")]), task.spans).any()
+    with pytest.raises(ValueError, match="5 digits"):
+        passkey_task(800, 0.5, "123", TOK.encode)
+
+
+def test_exact_match_equals_greedy_decoding():
+    """Teacher-forced exact match must agree with actually generating greedily."""
+    cfg = jaxllm.PRESETS["pythia-tiny"]
+    params = jaxllm.init_params(cfg, jax.random.key(0))
+    prefix = np.asarray(TOK.encode("The REGISTER_CONTENT in line 7 is <"), np.int32)  # 35
+    sc = jaxllm.SamplingConfig(max_new_tokens=5)
+
+    def greedy(cache):
+        return np.asarray(jaxllm.generate(params, cfg, jnp.asarray(prefix[None]), cache,
+                                          sc).tokens[0])
+    # with room for the whole stream every policy sees everything; with 4+20 the stream is
+    # streamed past eviction, and the generation must use the same cache as the scoring
+    cases = [(greedy(jaxllm.init_cache(cfg, 1, sinks=0, window=64, evict=False)),
+              [PplConfig("dense", 0, 64), PplConfig("streaming", 4, 64, chunk=7),
+               PplConfig("recompute", 4, 64)]),
+             (greedy(jaxllm.init_cache(cfg, 1, sinks=4, window=20)),
+              [PplConfig("streaming", 4, 24, chunk=7)])]
+    for ans, policies in cases:
+        for answer, want in ((ans, True), (np.r_[ans[:4], (ans[4] + 1) % 256], False)):
+            ids = np.concatenate([prefix, answer, TOK.encode(">.")]).astype(np.int32)
+            task = Task(ids, [(len(prefix), len(prefix) + 5)], [{}])
+            for pc in policies:
+                assert score_task(params, cfg, task, pc).tolist() == [want], (pc, want)
+
+
+def test_sink_metric_on_hand_made_maps():
+    T = 8
+    sink = np.zeros((T, T))
+    sink[:, 0] = 1.0  # every query attends to token 0 only
+    uniform = np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None]
+    maps = np.stack([np.stack([sink, uniform]), np.stack([uniform, uniform])])  # [L=2, H=2]
+    m = att.sink_metric(maps, 0, 0.3)
+    # uniform: mean over t of 1/(t+1) = (1 + 1/2 + ... + 1/8) / 8 = 0.34 > 0.3 for k = 0
+    assert att.head_attention_to(maps)[1, 0] == pytest.approx(sum(1 / t for t in range(1, 9)) / 8)
+    assert m["per_layer"] == [1.0, 1.0] and m["overall"] == 1.0
+    m = att.sink_metric(maps, 0, 0.5)
+    assert m["per_layer"] == [0.5, 0.0] and m["overall"] == 0.25
+
+
+def test_attention_maps_match_transformers():
+    torch = pytest.importorskip("torch")
+    import transformers as tf
+
+    import convert
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(tf.GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, rotary_pct=0.5, initializer_range=0.2),
+        attn_implementation="eager").eval()
+    cfg, params = convert.from_hf(hf)
+    seqs = np.random.default_rng(0).integers(0, 64, (3, 12))
+    with torch.no_grad():
+        out = hf(torch.as_tensor(seqs), output_attentions=True)
+    want = np.stack([a.float().numpy().mean(0) for a in out.attentions])  # [L, H, T, T]
+    np.testing.assert_allclose(att.attention_maps(params, cfg, seqs, batch=2), want, atol=1e-5)
+
+
+def test_cli_evals_write_json_next_to_plot(tmp_path):
+    from jaxllm.cli import main
+    for args in (["streameval", "--lines", "40", "--cache", "128"],
+                 ["passkey", "--lengths", "200", "--depths", "0,1", "--trials", "1",
+                  "--cache", "128", "--method", "recompute"],
+                 ["sinks", "--n", "2", "--seq-len", "32"]):
+        out = str(tmp_path / args[0])
+        assert main(["eval", *args, "--model", "random:pythia-tiny", "--out", out,
+                     "--quiet"]) == 0
+        res = json.loads(open(out + ".json").read())
+        assert res["task"] == args[0] and open(out + ".png", "rb").read(4) == b"\x89PNG"
+    assert res["per_layer"] and 0 <= res["overall"] <= 1

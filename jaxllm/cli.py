@@ -253,6 +253,20 @@ def cmd_eval(a) -> None:
                   f"{ok.mean():.3f} over {len(ok)} queries, {len(task.ids)} tokens")
             streameval.plot_accuracy(rows, a.out + ".png", f"{a.model} · StreamEval · "
                                      f"{pc.method} {pc.sinks}+{pc.cache - pc.sinks}")
+        elif a.task == "qa":
+            from .evals import qa
+            try:
+                records = qa.read_jsonl(a.data) if a.data else qa.SAMPLE * a.repeat
+            except (OSError, ValueError) as e:
+                raise CliError(str(e)) from None
+            task = qa.qa_task(records, tok.encode)
+            ok = score_task(params, cfg, task, pc, progress=not a.quiet)
+            result.update(data=a.data or "sample", records=len(ok), tokens=int(len(task.ids)),
+                          accuracy=float(ok.mean()), correct=[bool(x) for x in ok])
+            print(f"streaming QA {pc.method} {pc.sinks}+{pc.cache - pc.sinks}: exact match "
+                  f"{ok.mean():.3f} over {len(ok)} answers, {len(task.ids)} tokens")
+            qa.plot_running(ok, a.out + ".png", f"{a.model} · streaming QA · {pc.method} "
+                            f"{pc.sinks}+{pc.cache - pc.sinks}")
         else:
             lengths = [int(x) for x in a.lengths.split(",")]
             depths = [float(x) for x in a.depths.split(",")]
@@ -353,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     evs = ev.add_subparsers(dest="task", required=True)
     for name, hlp in (("streameval", "register lines queried 20 lines back (StreamingLLM Fig. 9)"),
                       ("passkey", "a 5-digit key hidden in filler, by length and depth"),
+                      ("qa", "question/answer records from a JSONL file in one stream"),
                       ("sinks", "attention maps and the sink metric per layer")):
         t = evs.add_parser(name, help=hlp)
         t.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
@@ -374,6 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument("--lines", type=int, default=400, help="register lines in the stream")
             t.add_argument("--bucket", type=int, default=2000,
                            help="report accuracy per this many tokens of input")
+        if name == "qa":
+            t.add_argument("--data", help="JSONL of {question, answer, choices?} (default: the "
+                                          "built-in synthetic sample)")
+            t.add_argument("--repeat", type=int, default=50,
+                           help="with the sample: how many times to repeat it")
         if name == "passkey":
             t.add_argument("--lengths", default="500,1000,2000", help="stream lengths (tokens)")
             t.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="key depths in [0, 1]")

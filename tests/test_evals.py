@@ -138,3 +138,26 @@ def test_cli_evals_write_json_next_to_plot(tmp_path):
         res = json.loads(open(out + ".json").read())
         assert res["task"] == args[0] and open(out + ".png", "rb").read(4) == b"\x89PNG"
     assert res["per_layer"] and 0 <= res["overall"] <= 1
+
+
+def test_qa_stream_and_jsonl(tmp_path):
+    from jaxllm.cli import main
+    from jaxllm.evals import qa
+    task = qa.qa_task(qa.SAMPLE, TOK.encode)
+    text = TOK.decode(task.ids)
+    assert text.startswith("Question: What colour is the sky on a clear day?\n(A) green (B) blue "
+                           "(C) red\nAnswer: B\n\nQuestion: How many legs")
+    assert [TOK.decode(task.ids[s:e]) for s, e in task.spans] == ["B", "B", "A", "C"]
+    assert exact_matches(oracle_hits(task), task.spans).all()
+    assert not exact_matches(oracle_hits(task, [(sp, "D") for sp in task.spans]),
+                             task.spans).any()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "a"}\n{"question": "q2"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: needs string fields \['answer'\]"):
+        qa.read_jsonl(str(bad))
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in qa.SAMPLE) + "\n")
+    assert main(["eval", "qa", "--data", str(good), "--model", "random:pythia-tiny", "--cache",
+                 "64", "--out", str(tmp_path / "qa"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "qa.json").read_text())["records"] == 4
+    assert main(["eval", "qa", "--data", str(bad), "--out", str(tmp_path / "x"), "--quiet"]) == 2

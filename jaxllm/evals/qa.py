@@ -1,0 +1,70 @@
+"""Streaming QA (StreamingLLM §4.2, the ARC setting; REFERENCE §1): question/answer records
+concatenated into one stream, each answer scored by exact match where it occurs. The records are
+the user's (a JSONL file); ``SAMPLE`` is a small synthetic set for tests and smoke runs."""
+from __future__ import annotations
+
+import json
+
+from .common import Task, build
+
+SAMPLE = [
+    {"question": "What colour is the sky on a clear day?", "choices": ["green", "blue", "red"],
+     "answer": "B"},
+    {"question": "How many legs does a spider have?", "choices": ["six", "eight", "ten"],
+     "answer": "B"},
+    {"question": "Which is a prime number?", "choices": ["7", "8", "9"], "answer": "A"},
+    {"question": "What does a thermometer measure?", "choices": ["mass", "time", "temperature"],
+     "answer": "C"},
+]
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Records ``{"question": str, "answer": str, "choices": [str, ...] (optional)}``."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            missing = [k for k in ("question", "answer") if not isinstance(rec.get(k), str)]
+            if missing:
+                raise ValueError(f"{path}:{n}: needs string fields {missing} (and optionally "
+                                 f"'choices', a list of strings)")
+            out.append(rec)
+    if not out:
+        raise ValueError(f"{path} holds no records")
+    return out
+
+
+def qa_task(records: list[dict], encode) -> Task:
+    """"Question: ...\\n(A) ... (B) ...\\nAnswer: X\\n\\n" per record, all in one stream."""
+    segments = []
+    for i, r in enumerate(records):
+        choices = r.get("choices") or []
+        opts = " ".join(f"({chr(65 + j)}) {c}" for j, c in enumerate(choices))
+        segments += [(f"Question: {r['question']}\n" + (f"{opts}\n" if opts else "") + "Answer: ",
+                      False, {}),
+                     (r["answer"], True, {"record": i}),
+                     ("\n\n", False, {})]
+    return build(segments, encode)
+
+
+def plot_running(correct, path: str, title: str) -> None:
+    """Running exact-match accuracy over the stream's answers."""
+    import matplotlib
+    import numpy as np
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    c = np.asarray(correct, float)
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(np.arange(1, len(c) + 1), np.cumsum(c) / np.arange(1, len(c) + 1))
+    ax.set_xlabel("answer # in the stream")
+    ax.set_ylabel("running exact match")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

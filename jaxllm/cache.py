@@ -97,8 +97,8 @@ class ChunkLayout(NamedTuple):
     sink_chunk_idx: Int[Array, "b s"]  # ... from chunk token j - length (clipped)
     sink_mask: Bool[Array, "b t s"]  # query c may attend to sink j
     sink_q_pos: Int[Array, "b t"]  # in-cache query position min(t, S+W-1)
-    rest_mask: Bool[Array, "b t l"]  # l = W ring slots then T chunk tokens
-    ring_k_pos: Int[Array, "b w"]  # -d: the ring key d tokens before the chunk
+    rest_mask: Bool[Array, "b t l"]  # l = all S+W cache slots (sink slots masked) then T chunk
+    ring_k_pos: Int[Array, "b c"]  # per cache slot: -d for the ring key d tokens before the chunk
     chunk_k_pos: Int[Array, "b t"]  # c': chunk offset of each chunk key
     rest_q_pos: Int[Array, "b t"]  # chunk offset c
     write_slot: Int[Array, "b t"]  # cache slot of each chunk token kept; S+W means dropped
@@ -136,7 +136,11 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     causal = (cp[:, None, :] <= c[:, :, None]) & (c[:, :, None] - cp[:, None, :] <= W - 1)
     chunk_mask = nonsink[:, None, :] & causal  # [B, T, T]
 
-    rest_mask = jnp.concatenate([jnp.broadcast_to(ring_mask, (B, T, W)), chunk_mask], axis=-1)
+    # The ring part spans the whole cache, sink slots masked out (they are scored separately, at
+    # their own positions): reading the full K/V arrays avoids copying a [S:] slice every step.
+    rest_mask = jnp.concatenate([jnp.zeros((B, T, S), bool),
+                                 jnp.broadcast_to(ring_mask, (B, T, W)), chunk_mask], axis=-1)
+    ring_k_pos = jnp.concatenate([jnp.zeros((B, S), jnp.int32), -d], axis=1)
     rest_q_pos = jnp.broadcast_to(c, (B, T))
 
     # Writes: the sinks are set from sink_from_chunk; of the non-sink tokens only the last W of
@@ -144,13 +148,18 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     n_sink_in_chunk = jnp.maximum(S - length, 0)  # [B, 1]
     rank = cp - n_sink_in_chunk  # index among this chunk's non-sink tokens
     kept = nonsink & (lens - cp <= W)
-    write_slot = jnp.where(kept, S + jnp.mod(head + rank, W), S + W)
+    # Chunk tokens that become sinks go to their own slot (length + c' < S) in the same scatter,
+    # so each layer's cache is written once per chunk (a separate sink update made XLA copy it).
+    new_sink = (length + cp < S) & (cp < lens)
+    write_slot = jnp.where(kept, S + jnp.mod(head + rank, W),
+                           jnp.where(new_sink, length + cp, S + W))
     n_nonsink = jnp.maximum(lens - n_sink_in_chunk, 0)
     new_head = jnp.mod(head + n_nonsink, W)[:, 0]
     new_length = jnp.minimum(length + lens, S + W)[:, 0]
     overflow = (length + lens > S + W)[:, 0] if not cache.evict else jnp.zeros((B,), bool)
     return ChunkLayout(sink_from_chunk, sink_chunk_idx, sink_mask, sink_q_pos, rest_mask,
-                       -d, jnp.broadcast_to(cp, (B, T)), rest_q_pos, write_slot, new_length, new_head, overflow)
+                       ring_k_pos, jnp.broadcast_to(cp, (B, T)), rest_q_pos, write_slot,
+                       new_length, new_head, overflow)
 
 
 def merge_sinks(cache_k: Float[Array, "b c n h"], chunk_k: Float[Array, "b t n h"],
@@ -161,11 +170,10 @@ def merge_sinks(cache_k: Float[Array, "b c n h"], chunk_k: Float[Array, "b t n h
                      cache_k[:, :S])
 
 
-def write_chunk(cache_k: Float[Array, "b c n h"], sink_k: Float[Array, "b s n h"],
-                chunk_k: Float[Array, "b t n h"], lay: ChunkLayout, S: int
-                ) -> Float[Array, "b c n h"]:
-    """The layer's cache after the chunk: new sinks, kept chunk tokens scattered into the ring."""
+def write_chunk(cache_k: Float[Array, "b c n h"], chunk_k: Float[Array, "b t n h"],
+                lay: ChunkLayout) -> Float[Array, "b c n h"]:
+    """The layer's cache after the chunk: one scatter of the chunk tokens that stay (new sinks
+    to their sink slots, the last W non-sinks into the ring); the rest is dropped."""
     B, T = lay.write_slot.shape
-    out = cache_k.at[:, :S].set(sink_k) if S else cache_k
     b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return out.at[b_idx, lay.write_slot].set(chunk_k.astype(cache_k.dtype), mode="drop")
+    return cache_k.at[b_idx, lay.write_slot].set(chunk_k.astype(cache_k.dtype), mode="drop")

@@ -194,9 +194,9 @@ class Attention(nn.Module):
             # token-by-token process see identical keys even with a bfloat16 cache.
             k, v = k.astype(ck.dtype), v.astype(cv.dtype)
             qp = lay.rest_q_pos
-            scores = [_part_scores(q, qp, ck[:, sinks:], lay.ring_k_pos, freq, cfg, bmm),  # ring
-                      _part_scores(q, qp, k, lay.chunk_k_pos, freq, cfg, bmm)]  # this chunk
-            values = [cv[:, sinks:], v]
+            scores = [_part_scores(q, qp, ck, lay.ring_k_pos, freq, cfg, bmm),  # cache [.., S+W]
+                      _part_scores(q, qp, k, lay.chunk_k_pos, freq, cfg, bmm)]  # chunk [.., T]
+            values = [cv, v]
             rest_k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
             mask = lay.rest_mask & _within_window(qp, rest_k_pos, cfg)
             if sinks:
@@ -207,11 +207,8 @@ class Attention(nn.Module):
                                               bmm))
                 values.insert(0, sink_v)
                 mask = jnp.concatenate([lay.sink_mask, mask], axis=-1)
-            else:
-                sink_k = sink_v = ck[:, :0]
             ctx, _ = _attend(scores, values, mask, cfg, bmm)
-            new_cache = (kvc.write_chunk(ck, sink_k, k, lay, sinks),
-                         kvc.write_chunk(cv, sink_v, v, lay, sinks))
+            new_cache = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)
         return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
 

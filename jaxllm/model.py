@@ -183,9 +183,9 @@ class Attention(nn.Module):
             mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
             ctx, probs = _attend([_part_scores(q, pos, k, pos, freq, cfg, bmm)], [v], mask, cfg,
                                  bmm)
-            # Attention maps for analysis (jaxllm.evals.attention), kept only when
-            # "intermediates" is mutable.
-            self.sow("intermediates", "probs", probs.reshape(B, cfg.num_heads, T, T),
+            # Attention maps for analysis (jaxllm.evals.attention), kept only when the
+            # "attention" collection is mutable (calibration's "intermediates" never pays for it).
+            self.sow("attention", "probs", probs.reshape(B, cfg.num_heads, T, T),
                      reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
             new_cache = None
         else:

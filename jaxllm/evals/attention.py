@@ -19,8 +19,8 @@ from ..model import Transformer
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _maps(params, cfg: ModelConfig, tokens):
     _, state = Transformer(cfg).apply({"params": params}, tokens, None, None,
-                                      mutable=["intermediates"])
-    inter = state["intermediates"]
+                                      mutable=["attention"])
+    inter = state["attention"]
     # [L, B, H, T, T] -> mean over the batch
     return jnp.stack([inter[f"layer_{i}"]["attn"]["probs"].mean(0)
                       for i in range(cfg.num_layers)])

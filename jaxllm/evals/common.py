@@ -51,3 +51,19 @@ def score_task(params, cfg: ModelConfig, task: Task, pc: PplConfig,
         raise ValueError("an answer cannot start the stream: it needs a prefix")
     _, hit = stream_score(params, cfg, task.ids, pc, progress, desc=f"eval {pc.method}")
     return exact_matches(hit, task.spans)
+
+
+def plot_accuracy_curve(x, y, xlabel: str, ylabel: str, path: str, title: str) -> None:
+    """One accuracy curve in [0, 1] (StreamEval by length, QA running accuracy)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(x, y, marker="o" if len(x) < 50 else None)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from .common import Task, build
+import numpy as np
+
+from .common import Task, build, plot_accuracy_curve
 
 SAMPLE = [
     {"question": "What colour is the sky on a clear day?", "choices": ["green", "blue", "red"],
@@ -54,17 +56,7 @@ def qa_task(records: list[dict], encode) -> Task:
 
 def plot_running(correct, path: str, title: str) -> None:
     """Running exact-match accuracy over the stream's answers."""
-    import matplotlib
-    import numpy as np
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     c = np.asarray(correct, float)
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(np.arange(1, len(c) + 1), np.cumsum(c) / np.arange(1, len(c) + 1))
-    ax.set_xlabel("answer # in the stream")
-    ax.set_ylabel("running exact match")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    n = np.arange(1, len(c) + 1)
+    plot_accuracy_curve(n, np.cumsum(c) / n, "answer # in the stream", "running exact match",
+                        path, title)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import Task, build
+from .common import Task, build, plot_accuracy_curve
 
 LINE = "The REGISTER_CONTENT in line {i} is <{value}>.\n"
 
@@ -42,15 +42,5 @@ def accuracy_by_length(task: Task, matches: np.ndarray, bucket: int) -> list[dic
 
 def plot_accuracy(rows: list[dict], path: str, title: str) -> None:
     """Exact-match accuracy against input length (Fig. 9)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot([r["end"] for r in rows], [r["accuracy"] for r in rows], marker="o")
-    ax.set_xlabel("input length (tokens)")
-    ax.set_ylabel("exact-match accuracy")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_accuracy_curve([r["end"] for r in rows], [r["accuracy"] for r in rows],
+                        "input length (tokens)", "exact-match accuracy", path, title)

@@ -70,20 +70,6 @@ def outlier_ratio(stats: dict) -> float:
     return max(float(v.max() / np.median(v)) for k, v in stats.items() if k.endswith("attn/q"))
 
 
-def inject_outliers(params, cfg, channels=(3, 17, 60, 101), gain=100.0):
-    """LLM-like outliers (~100x the typical magnitude, SmoothQuant §3) on a few channels of every
-    norm output, with the function unchanged: gains and biases x gain, reading rows / gain."""
-    p = jax.tree.map(np.array, jax.device_get(params))
-    f = np.ones(cfg.hidden_size, np.float32)
-    f[list(channels)] = gain
-    for norm, linears in sq.smooth_groups(cfg):
-        node = sq._get(p, norm)
-        node["scale"], node["bias"] = node["scale"] * f, node["bias"] * f
-        for lin in linears:
-            sq._get(p, lin)["kernel"] = sq._get(p, lin)["kernel"] / f[:, None]
-    return jax.tree.map(jnp.asarray, p)
-
-
 def accuracy(a) -> tuple[str, str]:
     tok = jaxllm.ByteTokenizer()
     ids = np.asarray(tok.encode(builtin_corpus()), np.int32)
@@ -104,7 +90,7 @@ def accuracy(a) -> tuple[str, str]:
     natural = outlier_ratio(stats)
     injected = natural < 20
     if injected:
-        params = inject_outliers(params, cfg)
+        params = sq.add_outlier_channels(params, cfg, (3, 17, 60, 101), 100.0)
     test = test_ids[: (len(test_ids) // a.seq_len) * a.seq_len].reshape(-1, a.seq_len)[:a.eval_seqs]
     ppl = lambda p: float(np.exp(sq.heldout_loss(p, cfg, test)))
     base = ppl(params)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.io import atomic_dir
+from jaxllm.io import atomic_dir, check_params, flatten_tree, unflatten_tree
 
 from .families import ALIASES, BASE_PREFIX, NAMES, config_from_hf, config_to_hf
 
@@ -141,13 +141,6 @@ def _listing(names, limit=8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _set(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split("/")
-    for p in parents:
-        tree = tree.setdefault(p, {})
-    tree[leaf] = value
-
-
 def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
             progress: bool = False) -> tuple[ModelConfig, dict]:
     """``(cfg, params)`` from a local HF directory or an in-memory ``transformers`` model.
@@ -155,7 +148,6 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
     Every tensor is checked against the family's name map: missing or unexpected tensors are
     named, and a tensor of the wrong shape is reported with both shapes.
     """
-    from jaxllm.model import init_params
     with contextlib.ExitStack() as stack:
         if isinstance(src, (str, os.PathLike)):
             hf_cfg, get, names = _source(os.fspath(src), allow_pickle, stack)
@@ -173,7 +165,7 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
             raise ValueError(f"{where}: the tensors do not match a {cfg.family} model with this "
                              f"config.json; missing: [{_listing(missing)}]; unexpected: "
                              f"[{_listing(extra)}]")
-        params: dict = {}
+        flat: dict = {}
         it = entries
         if progress:
             from tqdm import tqdm
@@ -186,29 +178,10 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
                 raise ValueError(f"{where}: tensor {e.hf} has shape {tuple(a.shape)}, but the "
                                  f"config needs {e.shape}")
             for path, v in zip(e.ours, e.to_ours(a)):
-                _set(params, path, np.ascontiguousarray(v, dtype=dtype))
-    _check_complete(cfg, params, init_params)
-    return cfg, jax.tree.map(jax.numpy.asarray, params)
-
-
-def _flat(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
-
-def _check_complete(cfg: ModelConfig, params: dict, init_params) -> None:
-    """The name map must fill exactly the model's parameters, each with the model's shape."""
-    want = _flat(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
-    got = _flat(params)
-    if set(want) != set(got):
-        raise AssertionError(f"{cfg.family} name map is out of step with the model: missing "
-                             f"{sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}")
-    for k, v in got.items():
-        if v.shape != want[k].shape:
-            raise AssertionError(f"{cfg.family} name map gives {k} shape {v.shape}, the model "
-                                 f"needs {want[k].shape}")
+                flat[path] = np.ascontiguousarray(v, dtype=dtype)
+    # the name map must fill exactly the model's parameters, each with the model's shape
+    check_params(cfg, flat, f"the {cfg.family} name map", {})
+    return cfg, jax.tree.map(jax.numpy.asarray, unflatten_tree(flat))
 
 
 def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None = None,
@@ -220,7 +193,7 @@ def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None =
     hf_cfg = config_to_hf(cfg)
     if is_quantized(params):
         raise ValueError("these params are int8 (jaxllm quantize); export the float model")
-    flat = _flat(jax.device_get(params))
+    flat = flatten_tree(jax.device_get(params))
     tensors = {}
     entries = NAMES[cfg.family](cfg)
     if progress:

@@ -28,15 +28,17 @@ CONFIG, WEIGHTS, ORBAX_DIR, TOKENIZER_DIR = "config.json", "model.safetensors", 
 FORMATS = ("safetensors", "orbax")
 
 
-def _flatten(tree, prefix=""):
+def flatten_tree(tree, prefix=""):
+    """Nested dicts -> {'a/b/c': leaf}."""
     out = {}
     for k, v in tree.items():
         name = f"{prefix}{k}"
-        out.update(_flatten(v, name + "/") if isinstance(v, dict) else {name: v})
+        out.update(flatten_tree(v, name + "/") if isinstance(v, dict) else {name: v})
     return out
 
 
-def _unflatten(flat):
+def unflatten_tree(flat):
+    """{'a/b/c': leaf} -> nested dicts."""
     tree = {}
     for name, arr in flat.items():
         node = tree
@@ -103,13 +105,13 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
                 ckpt.save(os.path.join(tmp, ORBAX_DIR), plain)
         else:
             from safetensors.numpy import save_file
-            flat = {k: np.asarray(v) for k, v in _flatten(jax.device_get(plain)).items()}
+            flat = {k: np.asarray(v) for k, v in flatten_tree(jax.device_get(plain)).items()}
             save_file(flat, os.path.join(tmp, WEIGHTS))
 
 
-def _check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None:
+def check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None:
     """Names and shapes against the config (an int8 node's ``q`` has its float kernel's shape)."""
-    expect = _flatten(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    expect = flatten_tree(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
     flat = dict(flat)
     for path in quant:
         for extra in ("scale", "act_scale"):
@@ -178,7 +180,7 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
     quant = meta.get("quant", {})
     if fmt == "orbax":
         params = _restore_orbax(os.path.join(spec, ORBAX_DIR), sharding)
-        _check_params(cfg, _flatten(params), os.path.join(spec, ORBAX_DIR), quant)
+        check_params(cfg, flatten_tree(params), os.path.join(spec, ORBAX_DIR), quant)
     else:
         w_path = os.path.join(spec, WEIGHTS)
         if not os.path.exists(w_path):
@@ -190,8 +192,8 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
             flat = load_file(w_path)
         except SafetensorError as e:
             raise ValueError(f"{w_path} is not a valid safetensors file ({e})") from None
-        _check_params(cfg, flat, w_path, quant)
-        params = _place(_unflatten(flat), sharding)
+        check_params(cfg, flat, w_path, quant)
+        params = _place(unflatten_tree(flat), sharding)
     params = from_plain(params, quant)
     tok_spec = meta.get("tokenizer", "byte")
     if tok_spec is None:  # none shipped; one may have been copied in since

@@ -156,6 +156,16 @@ def apply_smoothing(params, groups, factors: dict):
     return params
 
 
+def add_outlier_channels(params, cfg: ModelConfig, channels, gain: float = 100.0):
+    """LLM-like activation outliers for studies (SmoothQuant §3: ~100x the typical magnitude) on
+    ``channels`` of every norm output, the float function unchanged: smoothing run backwards, with
+    s = 1/gain on those channels (norm gains x gain, the reading rows / gain)."""
+    groups = smooth_groups(cfg)
+    s = np.ones(cfg.hidden_size, np.float32)
+    s[list(channels)] = 1.0 / gain
+    return jax.tree.map(jnp.asarray, apply_smoothing(params, groups, {n: s for n, _ in groups}))
+
+
 # ---- quantization -------------------------------------------------------------------------------
 
 def _linear_paths(params) -> list[str]:

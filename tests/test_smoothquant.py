@@ -39,6 +39,12 @@ def with_outliers(params, cfg, channels=(3, 17), gain=60.0):
     return jax.tree.map(jnp.asarray, p)
 
 
+def test_library_outlier_injection_equals_the_hand_written_one():
+    params = jaxllm.init_params(NEOX, jax.random.key(9))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 sq.add_outlier_channels(params, NEOX, (3, 17), 60.0), with_outliers(params, NEOX))
+
+
 @pytest.mark.parametrize("cfg", [NEOX, LLAMA, FALCON, MPT], ids=["neox", "llama", "falcon", "mpt"])
 def test_smoothing_alone_leaves_logits_unchanged(cfg):
     params = with_outliers(jaxllm.init_params(cfg, jax.random.key(1)), cfg)

@@ -167,6 +167,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.family not in EXPORTABLE:
         raise UnsupportedModel(f"export to Hugging Face supports {', '.join(EXPORTABLE)}; this "
                                f"model is {cfg.family}")
+    if cfg.sink != "none":
+        raise UnsupportedModel(f"a {cfg.sink}-sink model has no transformers equivalent (its "
+                               f"{'extra embedding row' if cfg.sink == 'learnable' else 'softmax-off-by-one attention'}"
+                               f" is not in any HF architecture); keep it in jaxllm's format")
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling

@@ -7,6 +7,7 @@ from typing import Literal, Optional
 FAMILIES = ("gpt_neox", "llama", "mistral", "falcon", "mpt", "opt")
 MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
 POSITIONS = ("rope", "alibi", "learned")
+SINKS = ("none", "learnable", "zero")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,10 @@ class ModelConfig:
     max_seq_len: int = 2048  # pre-training context (the size of a learned position table)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
     init_std: float = 0.02
+    # Sink-token pre-training (REFERENCE §2): "learnable" adds one embedding row, id
+    # ``sink_id`` = vocab_size, put first in every training sample and every stream; "zero" is
+    # softmax-off-by-one, e^{x_i} / (1 + sum_j e^{x_j}), a key and value of all zeros.
+    sink: Literal["none", "learnable", "zero"] = "none"
 
     def __post_init__(self):
         def choice(name, options):
@@ -102,6 +107,7 @@ class ModelConfig:
         choice("mlp", MLPS)
         choice("pos_emb", POSITIONS)
         choice("norm", ("layernorm", "rmsnorm"))
+        choice("sink", SINKS)
         if isinstance(self.rope_scaling, dict):  # from JSON
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.head_dim == 0:
@@ -128,6 +134,16 @@ class ModelConfig:
     def embedding_dim(self) -> int:
         """Width of the token embedding (``embed_dim``, or ``hidden_size`` when 0)."""
         return self.embed_dim or self.hidden_size
+
+    @property
+    def sink_id(self) -> Optional[int]:
+        """Id of the learnable sink token (its own embedding row past the vocabulary), or None."""
+        return self.vocab_size if self.sink == "learnable" else None
+
+    @property
+    def embed_rows(self) -> int:
+        """Rows of the input embedding: the vocabulary, plus the learnable sink's row."""
+        return self.vocab_size + (self.sink == "learnable")
 
     @property
     def rotary_dim(self) -> int:

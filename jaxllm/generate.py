@@ -64,6 +64,18 @@ def sample_logits(logits: Float[Array, "b v"], key: jax.Array, sc: SamplingConfi
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _sink_first(cfg: ModelConfig, prompt, cache: KVCache, prompt_lengths):
+    """A learnable-sink model starts every stream with its sink token: rows whose cache is still
+    empty get it in front of their prompt (other rows continue their stream unchanged)."""
+    fresh = np.asarray(jax.device_get(cache.length)) == 0  # [B]
+    B, P = prompt.shape
+    lens = np.asarray(jax.device_get(prompt_lengths))
+    shifted = jnp.concatenate([jnp.full((B, 1), cfg.sink_id, jnp.int32), prompt], 1)
+    padded = jnp.concatenate([prompt, jnp.zeros((B, 1), jnp.int32)], 1)
+    return (jnp.where(jnp.asarray(fresh)[:, None], shifted, padded),
+            jnp.asarray(lens + fresh, jnp.int32))
+
+
 def _check_generate(cfg, prompt, cache, prompt_lengths, sc):
     lens = check_chunk(cfg, prompt, cache, prompt_lengths)
     lens_np = np.asarray(jax.device_get(lens))
@@ -116,12 +128,16 @@ def generate(params, cfg: ModelConfig, prompt: Int[Array, "b p"], cache: KVCache
     """Feed ``prompt`` (right-padded to ``prompt_lengths``) and generate up to
     ``sampling.max_new_tokens`` tokens per row, all in one compiled loop.
 
-    The cache is donated: do not reuse the cache you passed in; use ``result.cache``, which holds
+    A learnable-sink model (``cfg.sink == "learnable"``) gets its sink token in front of the
+    prompt of every row whose cache is empty. The cache is donated: do not reuse the cache you passed in; use ``result.cache``, which holds
     the prompt and all generated tokens, so the next round of a chat is ``generate(params, cfg,
     next_prompt, result.cache, ...)``.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
     lens = _check_generate(cfg, prompt, cache, prompt_lengths, sampling)
+    if cfg.sink_id is not None:  # one more token to fit (and check) in the cache
+        prompt, lens = _sink_first(cfg, prompt, cache, lens)
+        lens = _check_generate(cfg, prompt, cache, lens, sampling)
     key = jax.random.key(0) if key is None else key
     return _generate_jit(params, cfg, sampling, prompt, lens, cache, key)
 
@@ -133,6 +149,9 @@ def generate_python(params, cfg: ModelConfig, prompt, cache: KVCache,
     (one step at a time, easy to step through in a debugger; also the test oracle)."""
     prompt = jnp.asarray(prompt, jnp.int32)
     lens = _check_generate(cfg, prompt, cache, prompt_lengths, sampling)
+    if cfg.sink_id is not None:  # one more token to fit (and check) in the cache
+        prompt, lens = _sink_first(cfg, prompt, cache, lens)
+        lens = _check_generate(cfg, prompt, cache, lens, sampling)
     key = jax.random.key(0) if key is None else key
     B, N = prompt.shape[0], sampling.max_new_tokens
     eos = -1 if sampling.eos_id is None else sampling.eos_id

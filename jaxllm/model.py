@@ -65,11 +65,13 @@ class Embed(nn.Module):
         table = self.param("embedding", nn.initializers.normal(self.std), (self.vocab, self.dim))
         return table[tokens]
 
-    def attend(self, x):
+    def attend(self, x, vocab: int):
+        """Logits over the first ``vocab`` rows (a learnable sink's row is input-only)."""
         table = self.get_variable("params", "embedding")
-        if isinstance(table, QKernel):
-            return qmatmul(x, table, jnp.float32)  # the table is [vocab, dim] = [out, in]
-        return jnp.einsum("...d,vd->...v", x, table)
+        if isinstance(table, QKernel):  # the table is [vocab, dim] = [out, in]
+            return qmatmul(x, table.replace(q=table.q[:vocab], scale=table.scale[:vocab]),
+                           jnp.float32)
+        return jnp.einsum("...d,vd->...v", x, table[:vocab])
 
 
 class Norm(nn.Module):
@@ -103,7 +105,12 @@ def _attend(scores_parts, value_parts, mask, cfg: ModelConfig, bmm: Optional[QAt
     """
     scores = jnp.concatenate(scores_parts, axis=-1) if len(scores_parts) > 1 else scores_parts[0]
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if cfg.sink == "zero":
+        # softmax-off-by-one: a virtual key with score q.0 = 0 and value 0 (REFERENCE §2).
+        probs = jax.nn.softmax(jnp.concatenate([jnp.zeros_like(scores[..., :1]), scores], -1),
+                               axis=-1)[..., 1:]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     p_scale = absmax_scale(probs, -1, True) if bmm is not None else None  # one per query row
     out, start = 0.0, 0
     for v in value_parts:
@@ -264,7 +271,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         B, T = tokens.shape
         dt = _dtype(cfg)
-        embed = Embed(cfg.vocab_size, cfg.embedding_dim, cfg.init_std, name="embed")
+        embed = Embed(cfg.embed_rows, cfg.embedding_dim, cfg.init_std, name="embed")
         x = embed(tokens).astype(dt)
         if cfg.embedding_dim != cfg.hidden_size:  # OPT: embeddings narrower than the model
             x = Linear(cfg.hidden_size, False, cfg.init_std, dt, name="project_in")(x)
@@ -290,7 +297,7 @@ class Transformer(nn.Module):
         if cfg.embedding_dim != cfg.hidden_size:
             x = Linear(cfg.embedding_dim, False, cfg.init_std, dt, name="project_out")(x)
         if cfg.tie_embeddings:
-            logits = embed.attend(x.astype(jnp.float32))
+            logits = embed.attend(x.astype(jnp.float32), cfg.vocab_size)
         else:
             logits = Linear(cfg.vocab_size, False, cfg.init_std, dt, name="lm_head")(x)
         return logits.astype(jnp.float32), (tuple(new_k), tuple(new_v))

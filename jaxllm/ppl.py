@@ -125,7 +125,9 @@ def stream_score(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
                  progress: bool = False, desc: Optional[str] = None
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(NLL, argmax hit) of tokens[1:], each predicted from what ``pc.method`` keeps of its past.
-    A span of hits is an exact match: greedy decoding from its prefix would produce it."""
+    A span of hits is an exact match: greedy decoding from its prefix would produce it.
+    A learnable-sink model gets its sink token in front of the stream (it was trained with one
+    first in every sample); the scores are still those of tokens[1:]."""
     from tqdm.auto import tqdm
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if tokens.size < 2:
@@ -133,10 +135,20 @@ def stream_score(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
     if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}); got {tokens.min()}.."
                          f"{tokens.max()}: does the tokenizer match the model?")
-    with tqdm(total=tokens.size - 1, unit="tok", unit_scale=True, disable=not progress,
+    lead = with_sink(cfg, tokens)
+    skip = lead.size - tokens.size  # predictions of tokens[0] from the sink: not scored
+    with tqdm(total=lead.size - 1, unit="tok", unit_scale=True, disable=not progress,
               desc=desc or f"ppl {pc.method}") as bar:
         fn = _recompute_nll if pc.method == "recompute" else _cached_nll
-        return fn(params, cfg, tokens, pc, bar)
+        nll, hit = fn(params, cfg, lead, pc, bar)
+    return nll[skip:], hit[skip:]
+
+
+def with_sink(cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
+    """The stream a model expects: a learnable-sink model's sink token first, then ``tokens``."""
+    if cfg.sink_id is None:
+        return tokens
+    return np.concatenate([np.array([cfg.sink_id], tokens.dtype), tokens])
 
 
 def peak_rss_mb() -> float:

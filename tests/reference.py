@@ -91,8 +91,13 @@ def _attn_out(q, ks, vs, q_pos, k_pos, cfg, sinks=0):
             s = s - _slope(h, cfg.num_heads, cfg.alibi_bias_max) * dist
         if cfg.sliding_window:
             s = np.where((dist >= cfg.sliding_window) & (np.arange(len(s)) >= sinks), -np.inf, s)
+        v = vs[:, h // G]
+        if cfg.sink == "zero":  # the zero sink, literally: a prepended key and value of zeros
+            zero_k, zero_v = np.zeros(cfg.head_dim), np.zeros((1, cfg.head_dim))
+            s = np.concatenate([[zero_k @ qr[h] / math.sqrt(cfg.head_dim)], s])
+            v = np.concatenate([zero_v, v])
         w = np.exp(s - s.max())
-        out[h] = (w / w.sum()) @ vs[:, h // G]
+        out[h] = (w / w.sum()) @ v
     return out
 
 

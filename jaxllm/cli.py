@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-DEFAULT_MODEL = "random:pythia-tiny"
+DEFAULT_MODEL = "embedded"
 RANDOM_NOTE = ("note: {model} has random weights, so its perplexities and text are noise; "
                "pass --model DIR for a trained model")
 
@@ -33,7 +33,8 @@ def read_text(path: str) -> str:
     return text
 
 
-MODEL_HELP = ("jaxllm model directory, Hugging Face model directory (converted on the fly) or "
+MODEL_HELP = ("jaxllm model directory, Hugging Face model directory (converted on the fly), "
+              "embedded / embedded-sink (the models shipped in the package) or "
               "random:PRESET[:SEED] (default %(default)s)")
 
 
@@ -105,6 +106,29 @@ def cmd_ppl(a) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(a.plot)), exist_ok=True)
         plot_nll(nll, a.plot, f"{a.model} · {line.split(':')[0]} · ppl {summary['ppl']:.2f}")
         print(f"wrote {a.plot}")
+
+
+def cmd_demo(a) -> None:
+    from .corpus import builtin_corpus
+    from .demo import DemoConfig, format_table, run_demo
+    models = {}
+    for spec in a.model or ["vanilla=embedded", "learnable-sink=embedded-sink"]:
+        label, sep, path = spec.partition("=")
+        models[label if sep else spec] = _load(path if sep else spec)
+    dc = DemoConfig(tokens=a.tokens, cache=a.cache, sinks=a.sinks, int8=not a.no_int8)
+    if dc.cache <= dc.sinks:
+        raise CliError(f"--cache {dc.cache} must exceed --sinks {dc.sinks}")
+    tok = next(iter(models.values()))[2]
+    ids = np.asarray(tok.encode(builtin_corpus()), np.int32)
+    if len(ids) < 2 * dc.tokens:
+        raise CliError(f"--tokens {dc.tokens}: the corpus has {len(ids)} tokens; use at most "
+                       f"{len(ids) // 2} (the rest calibrates INT8)")
+    # The stream is the corpus' first tokens; INT8 calibrates on its second half.
+    res = run_demo(models, ids[:dc.tokens], ids[len(ids) // 2:], dc, a.out)
+    print(format_table(res))
+    for label, text in res["generations"].items():
+        print(f"\n[{label}, StreamingLLM {dc.sinks}+{64 - dc.sinks}] >>> {dc.prompt}{text}")
+    print(f"\nwrote {a.out}/demo.json and {a.out}/demo.png")
 
 
 def cmd_generate(a) -> None:
@@ -311,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--plot", help="write the NLL-vs-position plot here (PNG)")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(fn=cmd_ppl)
+
+    d = sub.add_parser("demo", help="the main job on the embedded models: dense / window / "
+                                     "StreamingLLM / recompute (and INT8) with a plot")
+    d.add_argument("--model", action="append", default=None,
+                   help="LABEL=MODEL or MODEL, repeatable (default: vanilla=embedded and "
+                        "sink=embedded-sink)")
+    d.add_argument("--tokens", type=int, default=4096, help="stream length (default %(default)s)")
+    d.add_argument("--cache", type=int, default=128, help="sinks + window (default %(default)s)")
+    d.add_argument("--sinks", type=int, default=4)
+    d.add_argument("--no-int8", action="store_true", help="skip the SmoothQuant INT8 row")
+    d.add_argument("--out", default="demo_out")
+    d.set_defaults(fn=cmd_demo)
 
     g = sub.add_parser("generate", help="generate text; several --prompt are rounds of one chat")
     g.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)

@@ -34,6 +34,10 @@ def _docstrings(name: str) -> list[str]:
             if attr.startswith("_"):
                 continue
             obj = getattr(mod, attr, None)
+            # sys hooks may be replaced at run time (pytest swaps sys.unraisablehook): read the
+            # originals, so the corpus is the same in every process.
+            obj = getattr(mod, f"__{attr}__", obj) if name == "sys" and attr.endswith("hook") \
+                else obj
             if not (inspect.isclass(obj) or inspect.isroutine(obj)):
                 continue
             if name != "builtins" and getattr(obj, "__module__", name) != name:

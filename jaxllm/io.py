@@ -4,7 +4,9 @@ A jaxllm model directory holds ``config.json`` (``{"model": ModelConfig, "tokeni
 "format": ...}``) and the parameters, either as ``model.safetensors`` (small models, easy to ship)
 or as an orbax checkpoint under ``params/`` (large models, restorable straight into a sharding).
 ``load_model`` also accepts a Hugging Face directory (converted on the fly, no torch) and
-``random:PRESET[:SEED]`` (random weights of a preset, for smoke tests and benchmarks).
+``random:PRESET[:SEED]`` (random weights of a preset, for smoke tests and benchmarks) and the
+models that ship inside the package: ``embedded`` (the default of every command, trained here by
+the train package) and ``embedded-sink`` (its learnable-sink twin); see jaxllm/models/README.md.
 """
 from __future__ import annotations
 
@@ -147,9 +149,23 @@ def _load_random(spec: str):
     return cfg, params, tok
 
 
+EMBEDDED = {"embedded": "vanilla", "embedded-sink": "learnable-sink"}
+EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+
+
+def embedded_path(name: str) -> str:
+    """Directory of a model shipped inside the package (``embedded`` or ``embedded-sink``)."""
+    path = os.path.join(EMBEDDED_DIR, EMBEDDED[name])
+    if not os.path.exists(os.path.join(path, CONFIG)):
+        raise FileNotFoundError(f"the embedded model {name!r} is missing from {EMBEDDED_DIR}; "
+                                f"regenerate it with `make embedded-model` (see "
+                                f"jaxllm/models/README.md) or pass --model DIR")
+    return path
+
+
 def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
-    """``(cfg, params, tokenizer)`` from a jaxllm model directory, a Hugging Face directory or
-    ``random:PRESET[:SEED]``. ``tokenizer`` is None when none ships with the model.
+    """``(cfg, params, tokenizer)`` from a jaxllm model directory, a Hugging Face directory,
+    ``embedded`` / ``embedded-sink`` or ``random:PRESET[:SEED]``. ``tokenizer`` is None when none ships with the model.
 
     ``sharding``: a ``jax.sharding.Sharding`` for every parameter, or a pytree of them matching
     the parameters; orbax checkpoints are restored straight into it.
@@ -157,9 +173,12 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
     if spec.startswith("random:"):
         cfg, params, tok = _load_random(spec)
         return cfg, _place(params, sharding), tok
+    if spec in EMBEDDED:
+        spec = embedded_path(spec)
     if not os.path.isdir(spec):
         raise FileNotFoundError(f"--model {spec!r}: not a directory; give a jaxllm model "
-                                f"directory, a Hugging Face model directory or random:PRESET")
+                                f"directory, a Hugging Face model directory, "
+                                f"{' or '.join(EMBEDDED)}, or random:PRESET")
     from convert.hf import has_tokenizer, is_hf_dir
     if is_hf_dir(spec):
         from convert.hf import from_hf

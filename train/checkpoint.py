@@ -1,0 +1,44 @@
+"""Checkpoints through orbax's CheckpointManager: async writes, the last ``keep`` kept, each one
+committed atomically (orbax writes a temporary directory and renames it when complete, so an
+interrupted write leaves the previous checkpoint as the latest restorable one).
+
+A checkpoint holds the training state (restored straight into the run's shardings) and the data
+iterator's position (JSON), so a resumed run continues the exact sample order."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpoints:
+    def __init__(self, directory: str, keep: int, async_write: bool = True):
+        self.dir = os.path.abspath(directory)
+        self.mngr = ocp.CheckpointManager(
+            self.dir, options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=async_write, create=True))
+
+    def latest(self) -> Optional[int]:
+        return self.mngr.latest_step()
+
+    def save(self, step: int, state, data_state: dict, force: bool = False) -> None:
+        """Starts the write (async); training continues while it completes."""
+        self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     data=ocp.args.JsonSave(data_state)),
+                       force=force)
+
+    def restore(self, step: int, like_state) -> tuple[dict, dict]:
+        """The state at ``step`` placed like ``like_state`` (same shapes, dtypes, shardings)."""
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                              like_state)
+        out = self.mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        return out["state"], out["data"]
+
+    def wait(self) -> None:
+        self.mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mngr.close()

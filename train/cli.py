@@ -1,0 +1,81 @@
+"""``python -m train`` (also ``jaxllm-train``): run a recipe, plot runs' loss curves."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def cmd_run(a) -> None:
+    from .config import recipe
+    from .loop import train
+    over = list(a.set)
+    for flag, key in (("sink", "sink"), ("data", "data"), ("steps", "steps"),
+                      ("tokenizer", "tokenizer")):
+        if getattr(a, flag) is not None:
+            over.append(f"{key}={getattr(a, flag)}")
+    if a.mesh:
+        for part in a.mesh.split(","):
+            k, _, v = part.partition("=")
+            if k not in ("data", "fsdp") or not v.isdigit():
+                raise ValueError(f"--mesh {a.mesh!r}: use e.g. data=2,fsdp=4")
+            over.append(f"mesh_{k}={v}")
+    cfg = recipe(a.preset, over)
+    if a.print_config:
+        print(json.dumps(cfg.to_dict(), indent=1))
+        return
+    summary = train(cfg, a.out, resume=not a.no_resume, distributed=a.distributed,
+                    stop_after=a.stop_after)
+    print(json.dumps(summary, indent=1))
+
+
+def cmd_plot(a) -> None:
+    from .plot import plot_loss_curves
+    runs = {}
+    for r in a.runs:
+        label, sep, path = r.partition("=")
+        runs[label if sep else r] = path if sep else r
+    plot_loss_curves(runs, a.out, a.title)
+    print(f"wrote {a.out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import RECIPES
+    from .data import SOURCES
+    ap = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train a recipe (resumes the run in --out if there is one)")
+    r.add_argument("--preset", default="tiny", choices=sorted(RECIPES))
+    r.add_argument("--out", required=True, help="run directory")
+    r.add_argument("--sink", choices=["none", "learnable", "zero"], default=None)
+    r.add_argument("--data", default=None, help=f"training text: {SOURCES}")
+    r.add_argument("--tokenizer", default=None, help="'byte' or a local HF tokenizer directory")
+    r.add_argument("--steps", type=int, default=None)
+    r.add_argument("--mesh", default="", help="device mesh, e.g. data=2,fsdp=4 (default: all "
+                                              "devices on data)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any recipe field, e.g. lr=3e-4, grad_accum=4, "
+                        "model.num_layers=8 (repeatable)")
+    r.add_argument("--distributed", action="store_true",
+                   help="multi-host: call jax.distributed.initialize() first")
+    r.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this step with a checkpoint (resume later)")
+    r.add_argument("--no-resume", action="store_true", help="refuse to continue an existing run")
+    r.add_argument("--print-config", action="store_true", help="print the recipe and exit")
+    r.set_defaults(fn=cmd_run)
+    p = sub.add_parser("plot", help="loss curves of runs on one plot (Fig. 6)")
+    p.add_argument("runs", nargs="+", help="run directories, optionally LABEL=DIR")
+    p.add_argument("--out", default="loss.png")
+    p.add_argument("--title", default="training loss")
+    p.set_defaults(fn=cmd_plot)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        a.fn(a)
+    except (ValueError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,148 @@
+"""Training recipes: one frozen dataclass for everything a run needs, and the named presets."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from jaxllm.config import BYTE_VOCAB, PRESETS, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run. Defaults are the Pythia optimiser recipe (REFERENCE §2): AdamW
+    (0.9, 0.95, 1e-8), lr 6e-4, 1% linear warm-up, cosine to 10% of peak, weight decay 0.1 off
+    biases and norms, gradient clipping at 1.0, bfloat16 compute over float32 master weights."""
+
+    model: ModelConfig
+    sink: Literal["none", "learnable", "zero"] = "none"
+    seq_len: int = 2048  # tokens per sample, the sink token included
+    batch_size: int = 256  # sequences per optimizer step (all devices, all micro-batches)
+    grad_accum: int = 1  # micro-batches per step
+    steps: int = 143_000
+    lr: float = 6e-4
+    warmup_frac: float = 0.01
+    final_lr_frac: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute; master weights stay float32
+    seed: int = 0
+    data: str = "builtin"  # see train.data.SOURCES
+    tokenizer: str = "byte"
+    holdout: float = 0.01  # share of samples kept out of training (evaluation)
+    mesh_data: int = 0  # devices on the "data" axis; 0: all that fsdp leaves
+    mesh_fsdp: int = 1  # devices on the "fsdp" axis (parameters and optimizer state sharded)
+    log_every: int = 10
+    ckpt_every: int = 500
+    keep: int = 3  # checkpoints kept
+    sink_eval_every: int = 0  # >0: sink metric and window/streaming ppl on held-out text
+    peak_tflops: float = 0.0  # per device, for MFU; 0: look the device up (unknown -> no MFU)
+
+    def __post_init__(self):
+        if self.sink not in ("none", "learnable", "zero"):
+            raise ValueError(f"unknown sink {self.sink!r}; choose none, learnable or zero")
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "ckpt_every",
+                     "keep", "mesh_fsdp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size {self.batch_size} must be a multiple of grad_accum "
+                             f"{self.grad_accum} (equal micro-batches)")
+        if not 0 <= self.holdout < 1:
+            raise ValueError(f"holdout must lie in [0, 1), got {self.holdout}")
+        if self.seq_len > self.model.max_seq_len and self.model.pos_emb == "learned":
+            raise ValueError(f"seq_len {self.seq_len} exceeds the model's {self.model.max_seq_len} "
+                             f"learned positions")
+        # The model records its sink variant, so streaming and saving use it (ModelConfig.sink).
+        if self.model.sink != self.sink:
+            object.__setattr__(self, "model", dataclasses.replace(self.model, sink=self.sink))
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(1, round(self.warmup_frac * self.steps))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields {unknown}; known: {sorted(known)}")
+        d["model"] = ModelConfig.from_dict(d["model"])
+        return cls(**d)
+
+    def override(self, assignments: list[str]) -> "TrainConfig":
+        """``["lr=1e-3", "model.hidden_size=256", ...]`` applied to a copy (values parsed as
+        the field's type)."""
+        top, model = {}, {}
+        for a in assignments:
+            key, sep, value = a.partition("=")
+            if not sep:
+                raise ValueError(f"override {a!r} is not KEY=VALUE (e.g. lr=3e-4 or "
+                                 f"model.num_layers=4)")
+            if key.startswith("model."):
+                model[key[6:]] = _parse(ModelConfig, key[6:], value)
+            else:
+                top[key] = _parse(TrainConfig, key, value)
+        if "model" in top:
+            raise ValueError("set model fields one by one: model.FIELD=VALUE")
+        cfg = dataclasses.replace(self.model, **model) if model else self.model
+        return dataclasses.replace(self, model=cfg, **top)
+
+
+def _parse(cls, name: str, value: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if name not in fields:
+        raise ValueError(f"{cls.__name__} has no field {name!r}; fields: {', '.join(fields)}")
+    current = getattr(RECIPES["tiny"] if cls is TrainConfig else RECIPES["tiny"].model, name)
+    if isinstance(current, bool):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{name} takes true or false, got {value!r}")
+        return value.lower() in ("true", "1")
+    for typ in (int, float):
+        if isinstance(current, typ):
+            try:
+                return typ(value)
+            except ValueError:
+                raise ValueError(f"{name} takes a{'n integer' if typ is int else ' number'}, got "
+                                 f"{value!r}") from None
+    return value
+
+
+_TINY = ModelConfig.gpt_neox(vocab_size=BYTE_VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                             max_seq_len=128)
+RECIPES: dict[str, TrainConfig] = {
+    # The paper's setting: Pythia-160M, the Pythia recipe, the StreamingLLM authors' batch 256.
+    "pythia-160m": TrainConfig(model=PRESETS["pythia-160m"], tokenizer="byte", data="stdlib"),
+    # CPU-sized: the pythia-14m shapes on bytes (~1.2M parameters).
+    "pythia-14m": TrainConfig(model=dataclasses.replace(PRESETS["pythia-14m"], max_seq_len=512),
+                              seq_len=512, batch_size=32, steps=3000, lr=2e-3, data="stdlib",
+                              dtype="float32", ckpt_every=500, log_every=20),
+    # The embedded default model (jaxllm/models/): ~1.9M parameters, byte-level, trained on the
+    # standard library's source on the 2-core CPU in ~25 minutes per variant.
+    "embedded": TrainConfig(model=ModelConfig.gpt_neox(vocab_size=BYTE_VOCAB, hidden_size=192,
+                                                       num_layers=4, num_heads=4,
+                                                       max_seq_len=256),
+                            seq_len=256, batch_size=16, steps=1200, lr=2e-3, data="stdlib",
+                            dtype="float32", ckpt_every=100, log_every=10, sink_eval_every=200),
+    # Seconds per run: tests and smoke checks.
+    "tiny": TrainConfig(model=_TINY, seq_len=128, batch_size=8, steps=200, lr=3e-3,
+                        dtype="float32", ckpt_every=100),
+}
+
+
+def recipe(name: str, overrides: list[str] = ()) -> TrainConfig:
+    if name not in RECIPES:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name].override(list(overrides))

@@ -1,0 +1,184 @@
+"""Training data: text sources -> one token array on disk -> fixed-length samples in a
+deterministic, resumable order.
+
+Sources (``TrainConfig.data``):
+* ``builtin``: the embedded corpus (Python's documentation, ~750 KB; jaxllm.corpus).
+* ``stdlib``: every ``.py`` file of the running Python's standard library (~30 MB), sorted by
+  path, then the embedded corpus: a corpus large enough not to be memorised by a small model,
+  present on every machine.
+* a ``.txt`` / ``.jsonl`` (``"text"`` field) / ``.parquet`` (``text`` column) file, or a
+  directory of them (sorted, recursive).
+* ``hf:NAME[:CONFIG]:SPLIT``: a Hugging Face ``datasets`` dataset's ``text`` column (streamed;
+  needs ``pip install datasets`` and network access).
+
+Documents are joined with the tokenizer's EOS. Samples are consecutive ``seq_len + 1``-token
+windows of that stream (targets overlap inputs by one); the last ``holdout`` share is held out.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from typing import Iterator, Optional
+
+import numpy as np
+
+from jaxllm.tokenizer import Tokenizer
+
+SOURCES = "builtin | stdlib | FILE.txt|.jsonl|.parquet | DIRECTORY | hf:NAME[:CONFIG]:SPLIT"
+
+
+def _stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "__pycache__"))
+        out.extend(os.path.join(d, f) for f in sorted(files) if f.endswith(".py"))
+    return out
+
+
+def _read_file(path: str) -> Iterator[str]:
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)["text"]
+                    except (ValueError, KeyError, TypeError):
+                        raise ValueError(f"{path}:{n}: each JSONL line must be an object with a "
+                                         f"'text' field") from None
+    elif path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+        table = pq.read_table(path, columns=["text"])
+        yield from (t for t in table.column("text").to_pylist() if t)
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            yield f.read()
+
+
+def iter_texts(source: str) -> Iterator[str]:
+    """The documents of a source, in a fixed order."""
+    from jaxllm.corpus import builtin_corpus
+    if source == "builtin":
+        yield builtin_corpus()
+    elif source == "stdlib":
+        for path in _stdlib_files():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+        yield builtin_corpus()
+    elif source.startswith("hf:"):
+        parts = source[3:].split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"hf source {source!r} must be hf:NAME[:CONFIG]:SPLIT")
+        try:
+            import datasets
+        except ImportError:
+            raise ValueError("hf: sources need the datasets package: pip install datasets") from None
+        ds = datasets.load_dataset(parts[0], *parts[1:-1], split=parts[-1], streaming=True)
+        yield from (row["text"] for row in ds)
+    elif os.path.isdir(source):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs
+                       if f.endswith((".txt", ".jsonl", ".parquet")))
+        if not files:
+            raise ValueError(f"directory {source} holds no .txt, .jsonl or .parquet files")
+        for path in files:
+            yield from _read_file(path)
+    elif os.path.isfile(source):
+        yield from _read_file(source)
+    else:
+        raise ValueError(f"data source {source!r} is neither a file, a directory nor one of: "
+                         f"{SOURCES}")
+
+
+def tokenize(source: str, tok: Tokenizer, cache_dir: Optional[str] = None,
+             progress: bool = False) -> np.ndarray:
+    """The whole source as one token array (uint16 when the vocabulary fits), EOS between
+    documents. With ``cache_dir`` the array is kept as ``.npy`` (keyed by source and tokenizer)
+    and memory-mapped on later calls."""
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
+    path = None
+    if cache_dir:
+        key = hashlib.sha1(f"{os.path.abspath(source) if os.path.exists(source) else source}|"
+                           f"{getattr(tok, 'name', type(tok).__name__)}".encode()).hexdigest()[:16]
+        path = os.path.join(cache_dir, f"tokens-{key}.npy")
+        if os.path.exists(path):
+            return np.load(path, mmap_mode="r")
+    from tqdm.auto import tqdm
+    parts = []
+    eos = [] if tok.eos_id is None else [tok.eos_id]
+    for text in tqdm(iter_texts(source), desc=f"tokenize {source}", unit="doc",
+                     disable=not progress):
+        parts.append(np.asarray(tok.encode(text) + eos, dtype))
+    if not parts or sum(p.size for p in parts) < 2:
+        raise ValueError(f"data source {source!r} holds no text")
+    tokens = np.concatenate(parts)
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}.npy"
+        np.save(tmp, tokens)
+        os.replace(tmp, path)  # a reader never sees half an array
+    return tokens
+
+
+class PackedData:
+    """Fixed-length samples of a token stream in a seeded order that survives restarts.
+
+    Sample i is tokens[i*L : i*L + L + 1] (L = seq_len). The first ``n_train`` samples are shuffled
+    anew each epoch by ``default_rng([seed, epoch])``; the rest are held out. ``state()`` is the
+    position (epoch, index) that ``restore`` continues from exactly.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0,
+                 holdout: float = 0.0):
+        self.tokens, self.L, self.B, self.seed = tokens, seq_len, batch_size, seed
+        n = (len(tokens) - 1) // seq_len
+        self.n_heldout = int(round(n * holdout)) if holdout else 0
+        self.n_train = n - self.n_heldout
+        if self.n_train < batch_size:
+            raise ValueError(f"the data has {len(tokens)} tokens: {self.n_train} training samples "
+                             f"of {seq_len + 1} tokens, fewer than one batch of {batch_size}; use "
+                             f"more text, a shorter seq_len or a smaller batch_size")
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
+
+    def _sample(self, i: int) -> np.ndarray:
+        return np.asarray(self.tokens[i * self.L:i * self.L + self.L + 1], np.int32)
+
+    def next_batch(self) -> np.ndarray:
+        """[batch_size, seq_len + 1] int32; an epoch's tail shorter than a batch is skipped."""
+        if self.index + self.B > self.n_train:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        ids = self._order[self.index:self.index + self.B]
+        self.index += self.B
+        return np.stack([self._sample(int(i)) for i in ids])
+
+    def heldout(self, n_tokens: int) -> np.ndarray:
+        """The first ``n_tokens`` of the held-out stream (contiguous text never trained on)."""
+        start = self.n_train * self.L
+        if self.n_heldout == 0 or len(self.tokens) - start < n_tokens:
+            raise ValueError(f"need {n_tokens} held-out tokens but only "
+                             f"{max(0, len(self.tokens) - start) if self.n_heldout else 0} are "
+                             f"held out; raise holdout or use more data")
+        return np.asarray(self.tokens[start:start + n_tokens], np.int32)
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+                "n_train": self.n_train, "seq_len": self.L, "batch_size": self.B}
+
+    def restore(self, st: dict) -> None:
+        mine = self.state()
+        for k in ("seed", "n_train", "seq_len", "batch_size"):
+            if st[k] != mine[k]:
+                raise ValueError(f"the checkpoint's data iterator had {k}={st[k]}, this run has "
+                                 f"{mine[k]}: resume with the same data and settings, or start a "
+                                 f"new run directory")
+        self.epoch, self.index = st["epoch"], st["index"]
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,125 @@
+"""The sink-token experiment (StreamingLLM §3.3, REFERENCE §2): vanilla, zero-sink and
+learnable-sink models trained under identical settings, then
+
+* streaming perplexity on held-out text with caches 0+W, 1+(W-1), 2+(W-2), 4+(W-4) (Table 3),
+  plus the sliding-window-with-recompute oracle;
+* the loss curves of the three runs (Fig. 6);
+* head-averaged attention maps per layer (Fig. 7) and the sink metric per layer.
+
+    python -m train.experiments.sink_token --preset tiny --out runs/sink_tiny
+
+Each variant trains into OUT/{none,zero,learnable}; a finished run is not retrained (an
+interrupted one resumes). Results: OUT/results.json, OUT/table.md, OUT/loss.png,
+OUT/attention_{variant}.png.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+
+VARIANTS = ("none", "zero", "learnable")
+
+
+def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> dict:
+    """Table 3 and the sink analysis on each variant's exported model and held-out text."""
+    from jaxllm.evals.attention import attention_maps, plot_maps, sink_metric
+    from jaxllm.io import load_model
+    from jaxllm.ppl import PplConfig, stream_score, with_sink
+    from jaxllm.tokenizer import load_tokenizer
+
+    from train import data as data_lib
+    from train.config import TrainConfig
+    results = {"window": window, "eval_tokens": eval_tokens, "variants": {}}
+    for v in VARIANTS:
+        run = os.path.join(out, v)
+        with open(os.path.join(run, "train_config.json")) as f:
+            tc = TrainConfig.from_dict(json.load(f))
+        cfg, params, _ = load_model(os.path.join(run, "model"))
+        tokens = data_lib.tokenize(tc.data, load_tokenizer(tc.tokenizer),
+                                   os.path.join(out, ".token_cache"))
+        data = data_lib.PackedData(tokens, tc.seq_len, tc.batch_size, tc.seed, tc.holdout)
+        text = data.heldout(eval_tokens)
+        row = {}
+        for s in (0, 1, 2, 4):
+            pc = PplConfig("window" if s == 0 else "streaming", s, window)
+            nll = stream_score(params, cfg, text, pc, progress, desc=f"{v} {s}+{window - s}")[0]
+            row[f"{s}+{window - s}"] = float(np.exp(nll.astype(np.float64).mean()))
+        nll = stream_score(params, cfg, text, PplConfig("recompute", 4, window), progress,
+                           desc=f"{v} recompute")[0]
+        row["recompute 4+"] = float(np.exp(nll.astype(np.float64).mean()))
+        L = tc.seq_len
+        seqs = np.stack([with_sink(cfg, text[i * L:(i + 1) * L])[:L] for i in range(8)])
+        maps = attention_maps(params, cfg, seqs)
+        plot_maps(maps, os.path.join(out, f"attention_{v}.png"),
+                  f"{v}-sink model: head-averaged attention, first 16 tokens")
+        metrics = [json.loads(ln) for ln in open(os.path.join(run, "metrics.jsonl"))]
+        results["variants"][v] = {"ppl": row, "sink_metric": sink_metric(maps),
+                                  "final_loss": metrics[-1]["loss"],
+                                  "probes": [{"step": m["step"], **m["probe"]} for m in metrics
+                                             if "probe" in m]}
+    return results
+
+
+def table(results: dict) -> str:
+    W = results["window"]
+    cols = [f"{s}+{W - s}" for s in (0, 1, 2, 4)] + ["recompute 4+"]
+    lines = ["| model | " + " | ".join(cols) + " | sink metric (token 0) | final train loss |",
+             "|---" * (len(cols) + 3) + "|"]
+    names = {"none": "Vanilla", "zero": "Zero Sink", "learnable": "Learnable Sink"}
+    for v, r in results["variants"].items():
+        lines.append(f"| {names[v]} | " + " | ".join(f"{r['ppl'][c]:.2f}" for c in cols)
+                     + f" | {r['sink_metric']['overall']:.2f} "
+                       f"({', '.join(f'{x:.2f}' for x in r['sink_metric']['per_layer'])}) | "
+                       f"{r['final_loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from train.config import recipe
+    from train.loop import train
+    from train.plot import plot_loss_curves
+    ap = argparse.ArgumentParser(prog="python -m train.experiments.sink_token",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny", help="training recipe (train.config.RECIPES)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe field (repeatable), e.g. steps=500 or "
+                         "model.num_layers=4")
+    ap.add_argument("--out", default=None, help="experiment directory (default runs/sink_PRESET)")
+    ap.add_argument("--window", type=int, default=0,
+                    help="cache size W for the table (default: half the training context)")
+    ap.add_argument("--eval-tokens", type=int, default=0,
+                    help="held-out tokens streamed per cell (default: 8 training contexts)")
+    ap.add_argument("--eval-only", action="store_true", help="only evaluate finished runs")
+    a = ap.parse_args(argv)
+    out = a.out or os.path.join("runs", f"sink_{a.preset}")
+    base = recipe(a.preset, a.set)
+    times = {}
+    if not a.eval_only:
+        for v in VARIANTS:
+            t0 = time.perf_counter()
+            print(f"== training {v}-sink ({a.preset}) into {os.path.join(out, v)}")
+            train(dataclasses.replace(base, sink=v), os.path.join(out, v),
+                  cache_dir=os.path.join(out, ".token_cache"))
+            times[v] = time.perf_counter() - t0
+    W = a.window or base.seq_len // 2
+    results = evaluate(out, W, a.eval_tokens or 8 * base.seq_len)
+    results.update(preset=a.preset, overrides=a.set, train_seconds=times)
+    plot_loss_curves({v: os.path.join(out, v) for v in VARIANTS}, os.path.join(out, "loss.png"),
+                     f"{a.preset}: training loss by sink variant")
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    md = table(results)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    print(f"wrote {out}/results.json, table.md, loss.png, attention_*.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""The training loop: sharded steps, metrics to JSONL with a progress bar, orbax checkpoints,
+exact resume, and the final model exported in jaxllm's format."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jaxllm.io import save_model
+from jaxllm.tokenizer import load_tokenizer
+
+from . import data as data_lib
+from . import sharding as shd
+from .checkpoint import Checkpoints
+from .config import TrainConfig
+from .step import compile_step, flops_per_token, init_state, peak_tflops
+
+CONFIG_FILE, METRICS_FILE = "train_config.json", "metrics.jsonl"
+
+
+def _check_run_dir(out: str, cfg: TrainConfig) -> None:
+    """A run directory belongs to one config: resuming with another would mix two runs."""
+    path = os.path.join(out, CONFIG_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        new = cfg.to_dict()
+        keep = ("steps", "log_every", "ckpt_every", "keep", "sink_eval_every", "peak_tflops")
+        diff = sorted(k for k in new if k not in keep and old.get(k) != new[k])
+        if diff:
+            raise ValueError(f"{out} holds a run with a different config ({', '.join(diff)} "
+                             f"differ); resume with the same settings or use a new --out")
+    os.makedirs(out, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    os.replace(tmp, path)
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drop log lines past the restored step (written by the run that was interrupted)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
+
+
+def sink_probe(params, cfg: TrainConfig, text: np.ndarray) -> dict:
+    """How sink-like the model is now: the sink metric over the first tokens of held-out
+    samples, and window (0+W) vs StreamingLLM (4+W-4) perplexity past the first eviction."""
+    from jaxllm.evals.attention import attention_maps, sink_metric
+    from jaxllm.ppl import PplConfig, stream_score, with_sink
+    m = dataclasses.replace(cfg.model, dtype="float32")
+    L = min(cfg.seq_len, 256)
+    seqs = np.stack([with_sink(m, text[i * L:(i + 1) * L])[:L] for i in range(4)])
+    metric = sink_metric(attention_maps(params, m, seqs))
+    W = max(8, cfg.seq_len // 2)
+    out = {"sink_metric": metric["overall"], "sink_metric_per_layer": metric["per_layer"]}
+    for name, pc in (("window", PplConfig("window", 0, W)),
+                     ("streaming", PplConfig("streaming", 4, W))):
+        nll = stream_score(params, m, text, pc)[0][W:]  # after the first eviction
+        out[f"ppl_{name}"] = float(np.exp(nll.astype(np.float64).mean()))
+    return out
+
+
+def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True,
+          stop_after: Optional[int] = None, distributed: bool = False,
+          cache_dir: Optional[str] = None) -> dict:
+    """Train ``cfg`` into run directory ``out`` (checkpoints/, metrics.jsonl, model/).
+
+    An existing run in ``out`` is resumed from its latest checkpoint (``resume=False`` refuses
+    instead). ``stop_after``: stop after that step with a checkpoint (what a preemption leaves).
+    ``distributed``: call ``jax.distributed.initialize()`` first (multi-host TPU/GPU; every host
+    runs the same command). Returns a summary dict."""
+    if distributed:
+        jax.distributed.initialize()
+    mesh = shd.make_mesh(cfg.mesh_data, cfg.mesh_fsdp)
+    n_dev = mesh.devices.size
+    micro = cfg.batch_size // cfg.grad_accum
+    if micro % n_dev:
+        raise ValueError(f"each micro-batch ({cfg.batch_size} / grad_accum {cfg.grad_accum} = "
+                         f"{micro} sequences) must split evenly over the {n_dev} devices")
+    is_main = jax.process_index() == 0
+    if is_main:
+        _check_run_dir(out, cfg)
+    tok = load_tokenizer(cfg.tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} ids but the model's "
+                         f"vocab_size is {cfg.model.vocab_size}; set model.vocab_size")
+    tokens = data_lib.tokenize(cfg.data, tok, cache_dir or os.path.join(out, "..", ".token_cache"),
+                               progress and is_main)
+    data = data_lib.PackedData(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.holdout)
+
+    # The state's shardings: parameters by the logical-axes table, optimizer moments likewise
+    # (they mirror the parameters), scalars replicated.
+    abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.key(cfg.seed)))
+    p_shard = shd.param_shardings(mesh, abstract["params"])
+    state_shardings = _state_shardings(mesh, abstract, p_shard)
+    state = jax.jit(lambda: init_state(cfg, jax.random.key(cfg.seed)),
+                    out_shardings=state_shardings)()
+    ckpt = Checkpoints(os.path.join(out, "checkpoints"), cfg.keep)
+    start = 0
+    latest = ckpt.latest()
+    if latest is not None:
+        if not resume:
+            raise ValueError(f"{out} already holds checkpoints (latest step {latest}); resume it "
+                             f"or choose a new --out")
+        state, dstate = ckpt.restore(latest, state)
+        data.restore(dstate)
+        start = latest
+    metrics_path = os.path.join(out, METRICS_FILE)
+    if is_main:
+        _truncate_metrics(metrics_path, start)
+    step_fn = compile_step(cfg, state_shardings, shd.batch_sharding(mesh))
+    fpt, peak = flops_per_token(cfg), peak_tflops(cfg)
+    probe_text = data.heldout(4 * cfg.seq_len) if cfg.sink_eval_every else None
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+
+    from tqdm.auto import tqdm
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.sink}-sink", unit="step",
+               disable=not (progress and is_main))
+    log = open(metrics_path, "a") if is_main else None
+    t_last, s_last, last = time.perf_counter(), start, {}
+    pc, pi = jax.process_count(), jax.process_index()
+    try:
+        for step in range(start + 1, end + 1):
+            batch = data.next_batch()  # every host draws the same global batch, keeps its rows
+            rows = cfg.batch_size // pc
+            state, m = step_fn(state, shd.put_batch(mesh, batch[pi * rows:(pi + 1) * rows]), cfg)
+            if step % cfg.log_every == 0 or step == end:
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                now = time.perf_counter()
+                tps = (step - s_last) * cfg.tokens_per_step / (now - t_last)
+                t_last, s_last = now, step
+                rec = {"step": step, **m, "tokens": step * cfg.tokens_per_step,
+                       "tokens_per_s": tps,
+                       "mfu": None if peak is None else tps * fpt / (peak * 1e12 * n_dev)}
+                if not np.isfinite(m["loss"]):
+                    raise FloatingPointError(f"loss is {m['loss']} at step {step}; the last good "
+                                             f"checkpoint is step {ckpt.latest()}: lower lr or "
+                                             f"raise warm-up, then resume")
+                if cfg.sink_eval_every and (step % cfg.sink_eval_every == 0 or step == end):
+                    rec["probe"] = sink_probe(state["params"], cfg, probe_text)
+                    t_last = time.perf_counter()  # the probe's time is not training throughput
+                if log:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                last = rec
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
+            bar.update(1)
+            if step % cfg.ckpt_every == 0 or step == end:
+                ckpt.save(step, state, data.state(), force=step == end)
+    finally:
+        bar.close()
+        if log:
+            log.close()
+        ckpt.wait()
+        ckpt.close()
+    summary = {"steps": end, "finished": end == cfg.steps, **{k: v for k, v in last.items()
+                                                               if k != "step"}}
+    if end == cfg.steps and is_main:
+        export_cfg = dataclasses.replace(cfg.model, dtype="float32")
+        save_model(os.path.join(out, "model"), export_cfg, jax.device_get(state["params"]),
+                   tokenizer=cfg.tokenizer)
+        summary["model"] = os.path.join(out, "model")
+    return summary
+
+
+def _state_shardings(mesh, abstract, p_shard):
+    """Shardings for the whole state: each optimizer leaf shaped like a parameter takes that
+    parameter's sharding (Adam's moments), everything else is replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxllm.io import flatten_tree
+    by_path = flatten_tree(p_shard)
+    replicated = NamedSharding(mesh, P())
+
+    def for_leaf(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        name = "/".join(str(k) for k in keys if isinstance(k, str))
+        for p, s in by_path.items():
+            if name == p or name.endswith("/" + p):
+                return s
+        return replicated
+
+    opt = jax.tree_util.tree_map_with_path(for_leaf, abstract["opt_state"])
+    return {"step": replicated, "params": p_shard, "opt_state": opt}

@@ -1,0 +1,120 @@
+"""The loss, the optimiser and one sharded training step (with gradient accumulation)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int
+
+from jaxllm.model import Transformer, init_params
+
+from .config import TrainConfig
+
+
+def examples(cfg: TrainConfig, batch: Int[Array, "b l1"]):
+    """Inputs and targets [b, L] from samples of L+1 tokens.
+
+    Learnable sink: the sink token takes position 0 of every sample, so the inputs are
+    [sink, x_0 .. x_{L-2}] and the targets x_0 .. x_{L-1}; the sink is never a target (no loss
+    on predicting it) and every variant is scored on the same number of positions."""
+    if cfg.sink == "learnable":
+        sink = jnp.full((batch.shape[0], 1), cfg.model.sink_id, batch.dtype)
+        return jnp.concatenate([sink, batch[:, :-2]], 1), batch[:, :-1]
+    return batch[:, :-1], batch[:, 1:]
+
+
+def loss_fn(params, cfg: TrainConfig, batch) -> Float[Array, ""]:
+    """Mean next-token cross-entropy (nats) with compute in ``cfg.dtype``."""
+    model_cfg = dataclasses.replace(cfg.model, dtype=cfg.dtype)
+    inputs, targets = examples(cfg, batch)
+    logits, _ = Transformer(model_cfg).apply({"params": params}, inputs, None, None)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+
+
+def decay_mask(params):
+    """Weight decay on matrices (kernels, embeddings), never on biases or norm scales."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warm-up over ``warmup_frac`` of the steps, cosine decay to ``final_lr_frac``."""
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.steps,
+                                              end_value=cfg.lr * cfg.final_lr_frac)
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip),
+        optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+def init_state(cfg: TrainConfig, key) -> dict:
+    """``{"step", "params" (float32), "opt_state"}``: the whole training state, one pytree."""
+    params = init_params(cfg.model, key)
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt_state": optimizer(cfg).init(params)}
+
+
+def train_step(state: dict, batch: Int[Array, "b l1"], cfg: TrainConfig):
+    """One optimiser step on a global batch [batch_size, seq_len + 1]; the batch is split into
+    ``grad_accum`` micro-batches whose gradients are averaged (a scan, so memory is one
+    micro-batch's activations). Returns the new state and the metrics."""
+    A = cfg.grad_accum
+    grad = jax.value_and_grad(loss_fn)
+    if A == 1:
+        loss, grads = grad(state["params"], cfg, batch)
+    else:
+        micro = batch.reshape(A, batch.shape[0] // A, batch.shape[1])
+
+        def body(acc, mb):
+            l, g = grad(state["params"], cfg, mb)
+            return jax.tree.map(jnp.add, acc, (l, g)), None
+
+        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, state["params"]))
+        (loss, grads), _ = jax.lax.scan(body, zero, micro)
+        loss, grads = loss / A, jax.tree.map(lambda g: g / A, grads)
+    updates, opt_state = optimizer(cfg).update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+               "lr": schedule(cfg)(state["step"])}
+    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+
+def compile_step(cfg: TrainConfig, state_shardings, batch_sharding):
+    """``train_step`` under one jit: the state donated and kept on its shardings."""
+    return jax.jit(train_step, static_argnames=("cfg",), donate_argnames=("state",),
+                   in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, None))
+
+
+def flops_per_token(cfg: TrainConfig) -> float:
+    """Training FLOPs per token: 6 x (non-embedding parameters) + attention's 6·L·T·D
+    (forward 2·L·T·D for QKᵀ and PV each, backward twice that; Kaplan et al. / PaLM's MFU)."""
+    m = cfg.model
+    per_layer = (m.hidden_size * m.head_dim * (m.num_heads * 2 + m.num_kv_heads * 2)
+                 + m.hidden_size * m.intermediate_size * (3 if m.mlp == "swiglu" else 2))
+    head = m.hidden_size * m.vocab_size
+    return 6.0 * (m.num_layers * per_layer + head) + 6.0 * m.num_layers * cfg.seq_len * \
+        m.num_heads * m.head_dim
+
+
+# bf16 dense peak per device (vendor figures), for MFU.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "TPU v4": 275.0, "TPU v5 lite": 197.0,
+               "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0, "TPU v6 lite": 918.0,
+               "TPU v6e": 918.0}
+
+
+def peak_tflops(cfg: TrainConfig) -> float | None:
+    """Per-device peak for MFU: ``cfg.peak_tflops`` or the device table; None when unknown
+    (CPUs: pass --set peak_tflops=X to get an MFU)."""
+    if cfg.peak_tflops:
+        return cfg.peak_tflops
+    kind = jax.devices()[0].device_kind
+    for name, tf in PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tf
+    return None

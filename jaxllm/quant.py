@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int, Int8
 
+import pallas_kernels
+
 QMAX = 127.0
 ACT_MODES = ("token", "tensor", "static", "none")
 
@@ -82,15 +84,10 @@ def quantize_rows(table: Float[Array, "v d"], act: str = "token", real: bool = T
 
 
 def int8_matmul(xq: Int8[Array, "... k"], wq: Int8[Array, "n k"]) -> Int[Array, "... n"]:
-    """int8 x int8 -> int32, exact: xq [..., K] against a K-major weight [N, K] (XLA
-    ``dot_general``; the Pallas kernels plug in here)."""
+    """int8 x int8 -> int32, exact: xq [..., K] against a K-major weight [N, K]."""
     lead = xq.shape[:-1]
-    x2 = xq.reshape(-1, xq.shape[-1])  # [M, K]
-    M = x2.shape[0]
-    if M == 1:  # XLA's CPU int8 path for a single row is ~30x slower than for two: pad
-        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
-    acc = jax.lax.dot_general(x2, wq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    return acc[:M].reshape(*lead, wq.shape[0])
+    acc = pallas_kernels.reference.int8_matmul(xq.reshape(-1, xq.shape[-1]), wq)
+    return acc.reshape(*lead, wq.shape[0])
 
 
 def act_scale_of(x: Array, k: QKernel) -> Array:
@@ -112,8 +109,11 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
     sx = act_scale_of(x, k)
     xq = quantize(x, sx)
     if k.real:  # eq. 2: the scales are applied to the int32 product (outer dims only)
-        acc = int8_matmul(xq, k.q).astype(jnp.float32)
-        return (acc * sx * k.scale).astype(dtype)
+        # pallas_kernels dispatches: the Pallas kernel on GPU/TPU, XLA's dot_general elsewhere.
+        lead = x.shape[:-1]
+        sx_rows = sx.reshape(-1) if k.act == "token" else sx  # [M] or []
+        y = pallas_kernels.w8a8_matmul(xq.reshape(-1, x.shape[-1]), k.q, sx_rows, k.scale)
+        return y.reshape(*lead, k.q.shape[0]).astype(dtype)
     # Fake quant: the same quantize-dequantize, multiplied in float32. The integer-valued product
     # is formed first (exact in float32 while |sum| < 2^24) and scaled after, as eq. 2 does, so
     # real and fake modes differ only by float rounding.

@@ -1,0 +1,71 @@
+"""INT8 kernels for W8A8 inference, dispatched by backend.
+
+``w8a8_matmul``, ``quantize_per_token`` (optionally fused with LayerNorm/RMSNorm) and
+``int8_bmm`` pick the Pallas kernel on GPU (Triton lowering) and TPU (Mosaic) and the pure-jnp
+reference (XLA) elsewhere. Override with ``backend=`` (``xla`` | ``triton`` | ``tpu``) or the
+environment variable ``JAXLLM_INT8_BACKEND``; ``interpret=True`` runs a Pallas backend on CPU.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import matmul as _k
+from . import reference
+from .matmul import Blocks, default_blocks
+
+BACKENDS = ("xla", "triton", "tpu")
+
+
+def resolve_backend(backend: Optional[str] = None) -> str:
+    """``backend`` or $JAXLLM_INT8_BACKEND or, for ``auto``, by platform: triton on GPU, tpu on
+    TPU, xla elsewhere."""
+    b = backend or os.environ.get("JAXLLM_INT8_BACKEND", "auto")
+    if b == "auto":
+        return {"gpu": "triton", "tpu": "tpu"}.get(jax.default_backend(), "xla")
+    if b not in BACKENDS:
+        raise ValueError(f"unknown INT8 backend {b!r}; choose auto, {', '.join(BACKENDS)} "
+                         f"(argument backend= or JAXLLM_INT8_BACKEND)")
+    return b
+
+
+def w8a8_matmul(x, w, sx, sw, bias=None, out_dtype=jnp.float32, *,
+                backend: Optional[str] = None, interpret: bool = False,
+                blocks: Optional[Blocks] = None):
+    """y [M, N] = (x [M, K] int8 · w [N, K]ᵀ int8, int32) · sx · sw (+ bias); sx [M] or [],
+    sw [N] or []."""
+    b = resolve_backend(backend)
+    if b == "xla":
+        M, N = x.shape[0], w.shape[0]
+        return reference.w8a8_matmul(x, w, jnp.broadcast_to(jnp.asarray(sx, jnp.float32), (M,)),
+                                     jnp.broadcast_to(jnp.asarray(sw, jnp.float32), (N,)), bias,
+                                     out_dtype)
+    return _k.w8a8_matmul(x, w, sx, sw, bias, out_dtype, backend=b, blocks=blocks,
+                          interpret=interpret)
+
+
+def quantize_per_token(x, gamma=None, beta=None, *, norm: Optional[str] = None,
+                       eps: float = 1e-5, backend: Optional[str] = None,
+                       interpret: bool = False):
+    """(q [M, D] int8, scale [M]) of the (optionally normalised) rows of x [M, D]."""
+    b = resolve_backend(backend)
+    if b == "xla":
+        return reference.quantize_per_token(x, norm, gamma, beta, eps)
+    return _k.quantize_per_token(x, gamma, beta, norm=norm, eps=eps, backend=b,
+                                 interpret=interpret)
+
+
+def int8_bmm(a, b, sa, sb, out_dtype=jnp.float32, *, backend: Optional[str] = None,
+             interpret: bool = False):
+    """[B, M, K] x [B, N, K] int8 -> [B, M, N] with scales sa [B, M], sb [B, N]."""
+    be = resolve_backend(backend)
+    if be == "xla":
+        return reference.int8_bmm(a, b, sa, sb, out_dtype)
+    return _k.int8_bmm(a, b, sa, sb, out_dtype, backend=be, interpret=interpret)
+
+
+__all__ = ["BACKENDS", "Blocks", "default_blocks", "int8_bmm", "quantize_per_token",
+           "reference", "resolve_backend", "w8a8_matmul"]

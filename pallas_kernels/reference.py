@@ -1,0 +1,69 @@
+"""Pure-jnp references of every kernel: the ground truth of the interpret-mode tests and the
+``xla`` backend of the dispatcher (what runs on CPU)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Int8
+
+QMAX = 127.0
+
+
+def int8_matmul(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n"]:
+    """x @ wᵀ, int8 x int8 -> int32 exactly; ``w`` K-major [N, K] as the kernels store it."""
+    M = x.shape[0]
+    if M == 1:  # XLA's CPU int8 GEMV is ~30x slower than a two-row GEMM: pad one zero row
+        x = jnp.concatenate([x, jnp.zeros_like(x)])
+    acc = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return acc[:M]
+
+
+def epilogue(acc: Int[Array, "m n"], sx: Float[Array, " m"], sw: Float[Array, " n"],
+             bias: Optional[Float[Array, " n"]], out_dtype) -> Array:
+    """y = acc · s_x[m] · s_w[n] (+ bias): SmoothQuant eq. 2's dequantization, in float32."""
+    y = acc.astype(jnp.float32) * sx[:, None] * sw[None, :]
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[None, :]
+    return y.astype(out_dtype)
+
+
+def w8a8_matmul(x, w, sx, sw, bias=None, out_dtype=jnp.float32):
+    """The fused W8A8 linear: int8 product then the epilogue (``out_dtype=int32``: the raw
+    accumulator)."""
+    if jnp.dtype(out_dtype) == jnp.int32:
+        return int8_matmul(x, w)
+    return epilogue(int8_matmul(x, w), sx, sw, bias, out_dtype)
+
+
+def normalize(x: Float[Array, "m d"], norm: Optional[str], gamma=None, beta=None,
+              eps: float = 1e-5) -> Float[Array, "m d"]:
+    """LayerNorm (gamma, beta) / RMSNorm (gamma) / identity, in float32."""
+    x = x.astype(jnp.float32)
+    if norm is None:
+        return x
+    if norm == "rmsnorm":
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * gamma
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), -1, keepdims=True)
+    y = (x - mu) * jax.lax.rsqrt(var + eps) * gamma
+    return y if beta is None else y + beta
+
+
+def quantize_per_token(x: Float[Array, "m d"], norm: Optional[str] = None, gamma=None, beta=None,
+                       eps: float = 1e-5) -> tuple[Int8[Array, "m d"], Float[Array, " m"]]:
+    """(optionally normalised) rows to int8 with one absmax scale each: Δ = max|y| / 127
+    (1 for an all-zero row), q = round-half-even(y / Δ) clipped to ±127."""
+    y = normalize(x, norm, gamma, beta, eps)
+    m = jnp.max(jnp.abs(y), -1)
+    scale = jnp.where(m > 0, m / QMAX, 1.0)
+    q = jnp.clip(jnp.round(y / scale[:, None]), -QMAX, QMAX).astype(jnp.int8)
+    return q, scale
+
+
+def int8_bmm(a: Int8[Array, "b m k"], b: Int8[Array, "b n k"], sa: Float[Array, "b m"],
+             sb: Float[Array, "b n"], out_dtype=jnp.float32) -> Array:
+    """Batched W8A8 product (attention's QKᵀ and PV) with scales on the outer dims."""
+    acc = jnp.einsum("bmk,bnk->bmn", a, b, preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * sa[..., :, None] * sb[..., None, :]).astype(out_dtype)

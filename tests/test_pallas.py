@@ -1,0 +1,129 @@
+"""Pallas INT8 kernels in interpret mode (Triton-style kernel with Pallas' generic interpreter,
+Mosaic TPU kernel with the TPU interpreter) against numpy int64 and the jnp references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from jaxllm.quant import absmax_scale, quantize
+from pallas_kernels.matmul import Blocks
+
+# Small blocks so odd shapes cross several blocks in every dimension, and the interpreter is fast.
+SMALL = {"triton": Blocks(16, 32, 64), "tpu": Blocks(32, 128, 128)}
+BACKENDS = ["triton", "tpu"]
+K, N = 200, 72  # multiples of no block
+
+
+def _ints(rng, shape):
+    return jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("M", [1, 7, 37, 128, 1000])
+def test_int8_product_is_bit_exact(backend, M):
+    rng = np.random.default_rng(M)
+    x, w = _ints(rng, (M, K)), _ints(rng, (N, K))
+    got = pk.w8a8_matmul(x, w, 1.0, 1.0, out_dtype=jnp.int32, backend=backend, interpret=True,
+                         blocks=SMALL[backend])
+    want = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, np.asarray(x, np.int64) @ np.asarray(w, np.int64).T)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_token,per_channel,bias,out", [
+    (True, True, True, "float32"), (False, True, False, "float32"),
+    (True, False, True, "bfloat16"), (False, False, False, "bfloat16")])
+def test_epilogue_matches_reference(backend, per_token, per_channel, bias, out):
+    rng = np.random.default_rng(0)
+    M = 37
+    x, w = _ints(rng, (M, K)), _ints(rng, (N, K))
+    sx = jnp.asarray(rng.random(M) + 0.1 if per_token else 0.37, jnp.float32)
+    sw = jnp.asarray(rng.random(N) + 0.1 if per_channel else 0.02, jnp.float32)
+    b = jnp.asarray(rng.normal(size=N), jnp.float32) if bias else None
+    got = pk.w8a8_matmul(x, w, sx, sw, b, out_dtype=jnp.dtype(out), backend=backend,
+                         interpret=True, blocks=SMALL[backend])
+    acc = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    want = acc * np.broadcast_to(np.asarray(sx, np.float64), (M,))[:, None] * np.broadcast_to(
+        np.asarray(sw, np.float64), (N,))[None] + (0.0 if b is None else np.asarray(b)[None])
+    assert got.dtype == jnp.dtype(out) and got.shape == (M, N)
+    rtol = 1e-6 if out == "float32" else 8e-3  # float32 rounding / bfloat16's 8 bits
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=rtol,
+                               atol=rtol * np.abs(want).max())
+    ref = pk.w8a8_matmul(x, w, sx, sw, b, out_dtype=jnp.dtype(out), backend="xla")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_blocks_pad_any_shape(backend):
+    rng = np.random.default_rng(1)
+    for M in (1, 130):
+        x, w = _ints(rng, (M, 300)), _ints(rng, (100, 300))
+        got = pk.w8a8_matmul(x, w, 1.0, 1.0, out_dtype=jnp.int32, backend=backend,
+                             interpret=True)
+        np.testing.assert_array_equal(got, np.asarray(x, np.int64) @ np.asarray(w, np.int64).T)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("norm", [None, "layernorm", "rmsnorm"])
+def test_fused_norm_quantize(backend, norm):
+    rng = np.random.default_rng(2)
+    M, D = 37, 200
+    x = jnp.asarray(rng.normal(size=(M, D)) * 3, jnp.float32)
+    x = x.at[5].set(0.0)  # an all-zero row: scale 1, not a division by zero
+    g = jnp.asarray(rng.random(D) + 0.5, jnp.float32)
+    b = jnp.asarray(rng.normal(size=D), jnp.float32) if norm == "layernorm" else None
+    q, s = pk.quantize_per_token(x, g if norm else None, b, norm=norm, backend=backend,
+                                 interpret=True)
+    qr, sr = pk.reference.quantize_per_token(x, norm, g, b)
+    assert q.dtype == jnp.int8 and q.shape == (M, D) and s.shape == (M,)
+    np.testing.assert_allclose(s, sr, rtol=1e-6)
+    diff = np.abs(np.asarray(q, np.int32) - np.asarray(qr, np.int32))
+    if norm is None:
+        np.testing.assert_array_equal(q, qr)
+    else:  # the norm's float rounding may move a value across a .5 boundary
+        assert diff.max() <= 1 and (diff == 0).mean() > 0.999
+    if norm is None:  # the reference agrees with the library's quantizer (jaxllm.quant)
+        np.testing.assert_array_equal(qr, quantize(x, absmax_scale(x, -1, True)))
+        assert float(s[5]) == 1.0 and not np.asarray(q[5]).any()
+
+
+def test_reference_norms_match_numpy():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 24))
+    g, b = rng.random(24), rng.normal(size=24)
+    ln = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * g + b
+    rms = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g
+    f = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(pk.reference.normalize(f(x), "layernorm", f(g), f(b)), ln,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(pk.reference.normalize(f(x), "rmsnorm", f(g)), rms, rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_bmm(backend):
+    rng = np.random.default_rng(4)
+    B, M, Kb, Nb = 2, 5, 40, 9
+    a, b = _ints(rng, (B, M, Kb)), _ints(rng, (B, Nb, Kb))
+    sa = jnp.asarray(rng.random((B, M)), jnp.float32)
+    sb = jnp.asarray(rng.random((B, Nb)), jnp.float32)
+    got = pk.int8_bmm(a, b, sa, sb, backend=backend, interpret=True)
+    acc = np.einsum("bmk,bnk->bmn", np.asarray(a, np.int64), np.asarray(b, np.int64))
+    want = acc * np.asarray(sa)[..., None] * np.asarray(sb)[:, None]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    np.testing.assert_allclose(pk.int8_bmm(a, b, sa, sb, backend="xla"), want, rtol=1e-6,
+                               atol=1e-6 * np.abs(want).max())
+
+
+def test_dispatcher(monkeypatch):
+    assert pk.resolve_backend() == "xla"  # this CPU: XLA's dot_general
+    assert pk.resolve_backend("tpu") == "tpu"
+    monkeypatch.setenv("JAXLLM_INT8_BACKEND", "triton")
+    assert pk.resolve_backend() == "triton"
+    monkeypatch.setenv("JAXLLM_INT8_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="unknown INT8 backend 'cuda'.*JAXLLM_INT8_BACKEND"):
+        pk.resolve_backend()

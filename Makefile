@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test demo bench install clean
+.PHONY: test demo bench install clean embedded-model
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,21 +23,20 @@ install: $(STAMP)
 test: $(TORCH_STAMP)
 	$(PY) -m pytest
 
-# Streams the embedded corpus (Python's own docs) through StreamingLLM and window attention.
-# Until the training issue ships a trained default model, this uses random weights and says so.
+# The main job on the embedded models (jaxllm/models, trained by the train package): the
+# embedded corpus through dense / window / StreamingLLM / recompute caches and StreamingLLM on
+# INT8; prints perplexity, tokens/s and memory, writes demo_out/demo.{json,png}, generates text.
 demo: $(STAMP)
-	@echo "demo: random-weight pythia-tiny (no trained model ships yet): the numbers show the"
-	@echo "      machinery (constant memory, tokens/s), not language-model quality."
-	$(VENV)/bin/jaxllm ppl --model random:pythia-tiny --corpus builtin --method streaming \
-		--sinks 4 --cache 256 --max-tokens 20000 --json demo_out/streaming.json \
-		--plot demo_out/streaming.png
-	$(VENV)/bin/jaxllm ppl --model random:pythia-tiny --corpus builtin --method window \
-		--cache 256 --max-tokens 20000 --json demo_out/window.json --plot demo_out/window.png
-	$(VENV)/bin/jaxllm generate --model random:pythia-tiny --prompt "The for statement" \
-		--prompt "and then" --max-new-tokens 32 --sinks 4 --cache 64
+	$(VENV)/bin/jaxllm demo --out demo_out
+
+# Regenerates jaxllm/models: trains vanilla, zero-sink and learnable-sink models (~70 minutes on
+# a 2-core CPU), prints the sink-token table and ships the vanilla and learnable-sink models.
+embedded-model: $(STAMP)
+	$(PY) -m train.experiments.sink_token --preset embedded --out runs/sink_embedded \
+		--ship jaxllm/models
 
 bench: $(STAMP)
 	$(PY) benchmarks/ppl_memory.py
 
 clean:
-	rm -rf $(VENV) demo_out bench_out
+	rm -rf $(VENV) demo_out bench_out runs

@@ -249,14 +249,33 @@ def cmd_eval(a) -> None:
     from .evals.common import score_task
     cfg, params, tok = _load(a.model)
     result = {"model": a.model, "task": a.task}
-    if a.task == "sinks":
+    if a.task == "outliers":
+        from .corpus import builtin_corpus
+        from .smoothquant import CalibConfig, outlier_report, plot_outliers
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        try:
+            rep = outlier_report(params, cfg, tok.encode(builtin_corpus()), a.layer,
+                                 None if a.alpha is None else _float(a.alpha, "--alpha"),
+                                 CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len))
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        ratio = lambda v: float(v.max() / np.median(v))  # noqa: E731 - outlier strength
+        result.update({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in rep.items()},
+                      act_max_over_median_before=ratio(rep["act_before"]),
+                      act_max_over_median_after=ratio(rep["act_after"]))
+        print(f"{rep['layer']}: activation max/median per channel {ratio(rep['act_before']):.1f}"
+              f" before smoothing, {ratio(rep['act_after']):.1f} after (alpha {rep['alpha']})")
+        plot_outliers(rep, a.out + ".png", a.model)
+    elif a.task == "sinks":
         from .corpus import builtin_corpus
         ids = np.asarray(tok.encode(builtin_corpus()), np.int32)
         need = a.n * a.seq_len
         if len(ids) < need:
             raise CliError(f"the corpus has {len(ids)} tokens; --n x --seq-len needs {need}")
         starts = np.random.default_rng(a.seed).integers(0, len(ids) - a.seq_len, a.n)
-        maps = att.attention_maps(params, cfg, np.stack([ids[s:s + a.seq_len] for s in starts]))
+        from .ppl import with_sink  # a learnable-sink model reads its sink token first
+        maps = att.attention_maps(params, cfg, np.stack(
+            [with_sink(cfg, ids[s:s + a.seq_len])[:a.seq_len] for s in starts]))
         result.update(att.sink_metric(maps, 0, a.eps), n=a.n, seq_len=a.seq_len)
         print(f"sink metric (share of heads with mean attention to token 0 > {a.eps}): "
               f"{result['overall']:.2f}; per layer "
@@ -404,14 +423,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name, hlp in (("streameval", "register lines queried 20 lines back (StreamingLLM Fig. 9)"),
                       ("passkey", "a 5-digit key hidden in filler, by length and depth"),
                       ("qa", "question/answer records from a JSONL file in one stream"),
-                      ("sinks", "attention maps and the sink metric per layer")):
+                      ("sinks", "attention maps and the sink metric per layer"),
+                      ("outliers", "activation outlier channels before/after smoothing")):
         t = evs.add_parser(name, help=hlp)
         t.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
         t.add_argument("--out", default=f"eval_out/{name}",
                        help="writes OUT.json and OUT.png (default %(default)s)")
         t.add_argument("--seed", type=int, default=0)
         t.add_argument("--quiet", action="store_true", help="no progress output")
-        if name == "sinks":
+        if name == "outliers":
+            t.add_argument("--layer", default=None,
+                           help="linear layer, e.g. layer_0/attn/q (the default)")
+            t.add_argument("--alpha", default=None, help="migration strength (family default)")
+            t.add_argument("--n-seqs", type=int, default=16, help="calibration sequences")
+            t.add_argument("--seq-len", type=int, default=256)
+        elif name == "sinks":
             t.add_argument("--n", type=int, default=16, help="sequences averaged")
             t.add_argument("--seq-len", type=int, default=256)
             t.add_argument("--eps", type=float, default=0.3, help="sink threshold")

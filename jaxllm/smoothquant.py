@@ -290,3 +290,50 @@ def heldout_loss(params, cfg: ModelConfig, tokens: np.ndarray) -> float:
     """Mean next-token NLL over ``tokens`` [N, L] (plain causal forward)."""
     return float(np.mean([_nll(params, cfg, jnp.asarray(tokens[i:i + 4]))
                           for i in range(0, len(tokens), 4)]))
+
+
+# ---- inspection -------------------------------------------------------------------------------
+
+def outlier_report(params, cfg: ModelConfig, calib_tokens, layer: Optional[str] = None,
+                   alpha: Optional[float] = None, calib: CalibConfig = CalibConfig(n_seqs=16,
+                                                                                   seq_len=256)
+                   ) -> dict:
+    """Per input channel of one linear layer (default: layer 0's q), max |X_j| and max |W_j|
+    before and after smoothing with ``alpha`` (SmoothQuant Fig. 4 / §3.2): smoothing divides the
+    activation's outlier channels by s_j and multiplies the weight's rows by it."""
+    seqs, _ = _samples(np.asarray(calib_tokens, np.int32), calib, False)
+    stats = calibrate(params, cfg, seqs)
+    groups = smooth_groups(cfg)
+    alpha = DEFAULT_ALPHA.get(cfg.family, 0.5) if alpha is None else alpha
+    layer = layer or groups[0][1][0]
+    group = [g for g in groups if layer in g[1]]
+    if not group:
+        raise ValueError(f"{layer!r} is not a smoothed linear; choose one of "
+                         f"{', '.join(x for _, ls in groups for x in ls)}")
+    s = smoothing_factors(params, stats, group, alpha)[group[0][0]]
+    w = np.abs(np.asarray(_get(params, f"{layer}/kernel")))  # [in, out]
+    x = stats[layer]
+    return {"layer": layer, "alpha": alpha, "act_before": x, "act_after": x / s,
+            "weight_before": w.max(1), "weight_after": (w * s[:, None]).max(1)}
+
+
+def plot_outliers(rep: dict, path: str, title: str) -> None:
+    """Activation and weight max |.| per input channel, before and after smoothing."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=(10, 5.5), sharex=True)
+    ch = np.arange(len(rep["act_before"]))
+    for row, kind in enumerate(("act", "weight")):
+        for col, when in enumerate(("before", "after")):
+            ax = axes[row, col]
+            ax.bar(ch, rep[f"{kind}_{when}"], width=1.0,
+                   color="tab:red" if kind == "act" else "tab:blue")
+            ax.set_title(f"{'activation' if kind == 'act' else 'weight'} max |.| per channel, "
+                         f"{when} smoothing", fontsize=9)
+    for ax in axes[1]:
+        ax.set_xlabel("input channel")
+    fig.suptitle(f"{title} · {rep['layer']} · alpha {rep['alpha']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

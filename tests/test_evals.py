@@ -1,6 +1,7 @@
 """Evaluations: the generators checked on hand-written cases, the scorer against oracles and
 against greedy decoding, the sink metric on hand-made maps, attention maps against transformers."""
 import json
+import os
 import re
 
 import jax
@@ -12,6 +13,7 @@ import jaxllm
 from jaxllm.evals import passkey_task, score_task, streameval_task
 from jaxllm.evals import attention as att
 from jaxllm.evals.common import Task, exact_matches
+from jaxllm.cli import main
 from jaxllm.ppl import PplConfig
 
 TOK = jaxllm.ByteTokenizer()
@@ -161,3 +163,42 @@ def test_qa_stream_and_jsonl(tmp_path):
                  "64", "--out", str(tmp_path / "qa"), "--quiet"]) == 0
     assert json.loads((tmp_path / "qa.json").read_text())["records"] == 4
     assert main(["eval", "qa", "--data", str(bad), "--out", str(tmp_path / "x"), "--quiet"]) == 2
+
+
+def test_outliers_report_follows_eq4(tmp_path):
+    # Eq. 4 with alpha 0.5: s_j = sqrt(max|X_j| / max|W_j|), W the q, k and v kernels that share
+    # the normalised input; smoothing divides X_j by s_j and multiplies W's row j by it.
+    from jaxllm.smoothquant import CalibConfig, outlier_report
+    cfg, params, tok = jaxllm.load_model("random:pythia-tiny")
+    ids = np.random.default_rng(0).integers(0, 256, 4000)
+    r = outlier_report(params, cfg, ids, alpha=0.5, calib=CalibConfig(n_seqs=4, seq_len=64))
+    attn = params["layer_0"]["attn"]
+    w_group = np.max([np.abs(np.asarray(attn[n]["kernel"])).max(1) for n in "qkv"], axis=0)
+    s = np.sqrt(r["act_before"] / w_group)
+    np.testing.assert_allclose(r["act_after"], r["act_before"] / s, rtol=1e-5)
+    np.testing.assert_allclose(r["weight_after"],
+                               (np.abs(np.asarray(attn["q"]["kernel"])) * s[:, None]).max(1),
+                               rtol=1e-5)
+    out = str(tmp_path / "outl")
+    assert main(["eval", "outliers", "--model", "random:pythia-tiny", "--n-seqs", "4",
+                 "--seq-len", "64", "--out", out]) == 0
+    saved = json.load(open(out + ".json"))
+    assert saved["layer"] == "layer_0/attn/q" and os.path.getsize(out + ".png") > 1000
+    assert saved["act_max_over_median_after"] > 0
+    assert main(["eval", "outliers", "--model", "random:pythia-tiny", "--layer", "layer_0/attn/o",
+                 "--out", out]) == 2  # o reads the attention output: not a smoothed linear
+
+
+def test_demo_command(tmp_path):
+    out = str(tmp_path / "demo")
+    assert main(["demo", "--model", "a=random:pythia-tiny", "--tokens", "300", "--cache", "32",
+                 "--sinks", "2", "--no-int8", "--out", out]) == 0
+    r = json.load(open(os.path.join(out, "demo.json")))
+    methods = [row["method"] for row in r["rows"]]
+    assert methods == ["dense", "window 0+32", "StreamingLLM 2+30", "recompute 2+30"]
+    kv = {row["method"]: row["kv_mib"] for row in r["rows"]}
+    assert kv["dense"] > 9 * kv["StreamingLLM 2+30"]  # 301 slots vs 32
+    assert all(np.isfinite(row["ppl"]) and row["tokens_per_s"] > 0 for row in r["rows"])
+    assert os.path.getsize(os.path.join(out, "demo.png")) > 1000 and "a" in r["generations"]
+    assert main(["demo", "--model", "random:pythia-tiny", "--cache", "4", "--sinks", "4",
+                 "--out", out]) == 2

@@ -18,6 +18,8 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
+import sys
 import time
 
 import numpy as np
@@ -53,7 +55,8 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
                            desc=f"{v} recompute")[0]
         row["recompute 4+"] = float(np.exp(nll.astype(np.float64).mean()))
         L = tc.seq_len
-        seqs = np.stack([with_sink(cfg, text[i * L:(i + 1) * L])[:L] for i in range(8)])
+        maps_text = data.heldout(8 * L)
+        seqs = np.stack([with_sink(cfg, maps_text[i * L:(i + 1) * L])[:L] for i in range(8)])
         maps = attention_maps(params, cfg, seqs)
         plot_maps(maps, os.path.join(out, f"attention_{v}.png"),
                   f"{v}-sink model: head-averaged attention, first 16 tokens")
@@ -79,6 +82,25 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def ship(out: str, dest: str, results: dict, command: str) -> None:
+    """The vanilla and learnable-sink models into ``dest`` (atomically, each), with a README
+    that says how they were made and what they measure."""
+    from jaxllm.io import atomic_dir
+    for v, name in (("none", "vanilla"), ("learnable", "learnable-sink")):
+        with atomic_dir(os.path.join(dest, name)) as tmp:
+            src = os.path.join(out, v, "model")
+            for f in os.listdir(src):
+                shutil.copy2(os.path.join(src, f), os.path.join(tmp, f))
+    with open(os.path.join(dest, "README.md"), "w") as f:
+        f.write(f"# Embedded models\n\nTrained by jaxllm's `train` package; regenerate with\n\n"
+                f"```bash\n{command}\n```\n\n(`make embedded-model`). `vanilla` is the default "
+                f"`--model` of every command (`embedded`); `learnable-sink` (`embedded-sink`) is its "
+                f"twin trained with a learnable sink token. Streaming perplexity on held-out "
+                f"text, cache {results['window']} (the paper's Table 3 layout):\n\n"
+                f"{table(results)}\n")
+    print(f"shipped the models to {dest}")
+
+
 def main(argv=None) -> int:
     from train.config import recipe
     from train.loop import train
@@ -95,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-tokens", type=int, default=0,
                     help="held-out tokens streamed per cell (default: 8 training contexts)")
     ap.add_argument("--eval-only", action="store_true", help="only evaluate finished runs")
+    ap.add_argument("--ship", metavar="DIR", default=None,
+                    help="copy the vanilla and learnable-sink models to DIR/vanilla and "
+                         "DIR/learnable-sink (how jaxllm/models is made)")
     a = ap.parse_args(argv)
     out = a.out or os.path.join("runs", f"sink_{a.preset}")
     base = recipe(a.preset, a.set)
@@ -118,6 +143,9 @@ def main(argv=None) -> int:
         f.write(md + "\n")
     print(md)
     print(f"wrote {out}/results.json, table.md, loss.png, attention_*.png")
+    if a.ship:
+        ship(out, a.ship, results, " ".join(["python -m train.experiments.sink_token"]
+                                             + (argv if argv is not None else sys.argv[1:])))
     return 0
 
 

@@ -1,0 +1,41 @@
+"""The notebooks run top to bottom headlessly (JAXLLM_NOTEBOOK_SIZE=ci) and are stored without
+outputs."""
+import glob
+import os
+
+import nbformat
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+
+
+def test_all_three_notebooks_exist():
+    assert [os.path.basename(p) for p in NOTEBOOKS] == [
+        "sink_token_pretraining.ipynb", "smoothquant_int8.ipynb", "streaming_llm.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, (
+                f"{os.path.basename(path)} holds outputs: clear them (jupyter nbconvert "
+                f"--clear-output --inplace {path})")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_runs_top_to_bottom(path, tmp_path, monkeypatch):
+    from nbclient import NotebookClient
+    monkeypatch.setenv("JAXLLM_NOTEBOOK_SIZE", "ci")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    nb = nbformat.read(path, as_version=4)
+    # Run in a scratch directory (the notebooks write their plots and runs next to themselves).
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "error"]
+    assert not errors
+    assert any(o.get("data", {}).get("image/png") for c in nb.cells if c.cell_type == "code"
+               for o in c.outputs), "every notebook shows at least one plot"

@@ -78,23 +78,31 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
     return result
 
 
-def plot_curves(curves: dict, path: str, dc: DemoConfig, smooth: int = 256) -> None:
-    """Running-mean NLL against position per model and method (StreamingLLM Fig. 3)."""
+def plot_curves(curves: dict, path: str, dc: DemoConfig, smooth: int = 128) -> None:
+    """Running-mean NLL against position, one panel per model ("model: method" keys; keys
+    without a model go in one panel), one line per method (StreamingLLM Fig. 3)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    panels: dict = {}
     for name, nll in curves.items():
-        k = min(smooth, len(nll))
-        y = np.convolve(nll, np.ones(k) / k, "valid")
-        ax.plot(np.arange(k, len(nll) + 1), y, lw=1.3, label=name,
-                ls="--" if "recompute" in name else "-")
-    ax.axvline(dc.cache, color="gray", lw=0.8, ls=":")
-    ax.text(dc.cache, ax.get_ylim()[1], " first eviction", va="top", fontsize=8, color="gray")
-    ax.set_xlabel("position in stream (tokens)")
-    ax.set_ylabel(f"NLL, mean of last {smooth} tokens")
-    ax.set_title("embedded corpus through each cache policy")
-    ax.legend(fontsize=7, ncol=2)
+        model, sep, method = name.partition(": ")
+        panels.setdefault(model if sep else "", {})[method if sep else name] = nll
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False,
+                             sharey=True)
+    for ax, (model, lines) in zip(axes[0], panels.items()):
+        for method, nll in lines.items():
+            k = min(smooth, len(nll))
+            y = np.convolve(nll, np.ones(k) / k, "valid")
+            ax.plot(np.arange(k, len(nll) + 1), y, lw=1.3, label=method,
+                    ls="--" if "recompute" in method else "-")
+        ax.axvline(dc.cache, color="gray", lw=0.8, ls=":")
+        ax.set_xlabel("position in stream (tokens)")
+        ax.set_title(model or "cache policies", fontsize=10)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel(f"NLL, mean of the last {smooth} tokens")
+    fig.suptitle(f"the embedded corpus through each cache policy (dotted: cache size "
+                 f"{dc.cache}, the first eviction)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

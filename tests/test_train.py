@@ -124,7 +124,7 @@ def test_learnable_sink_examples_never_target_the_sink():
 
 # ---- sharding -------------------------------------------------------------------------------
 SHARDED = textwrap.dedent("""
-    import os
+    import os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -132,7 +132,8 @@ SHARDED = textwrap.dedent("""
     from train.loop import _state_shardings
     from train.step import compile_step, init_state
     assert len(jax.devices()) == 8
-    cfg = recipe("tiny", ["batch_size=16", "model.hidden_size=64", "model.num_layers=2"])
+    cfg = recipe("tiny", ["batch_size=16", "model.hidden_size=64", "model.num_layers=1",
+                          "seq_len=32", "model.max_seq_len=32"])
     batch = np.random.default_rng(0).integers(0, 256, (16, cfg.seq_len + 1)).astype(np.int32)
 
     def run(mesh, cfg):
@@ -147,27 +148,31 @@ SHARDED = textwrap.dedent("""
         return losses, jax.device_get(state["params"]), state
 
     ref_losses, ref_params, _ = run(shd.make_mesh(devices=jax.devices()[:1]), cfg)
-    for data, fsdp, accum in ((8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 4, 2)):
-        c = cfg.override([f"grad_accum={accum}"])
-        losses, params, state = run(shd.make_mesh(data, fsdp), c)
-        np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-4),
-                     params, ref_params)
-        k = state["params"]["layer_0"]["mlp"]["up"]["kernel"]
-        mu = state["opt_state"][1][0].mu["layer_0"]["mlp"]["up"]["kernel"]
-        assert k.sharding.spec == mu.sharding.spec == P("fsdp", None), (k.sharding, mu.sharding)
-        # each device holds 1/fsdp of the parameter and of its Adam moment
-        assert k.addressable_shards[0].data.shape == mu.addressable_shards[0].data.shape == (
-            64 // fsdp, 256)
-        print("ok", data, fsdp, accum, losses)
+    data, fsdp, accum = map(int, sys.argv[1:4])
+    c = cfg.override([f"grad_accum={accum}"])
+    losses, params, state = run(shd.make_mesh(data, fsdp), c)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-4),
+                 params, ref_params)
+    k = state["params"]["layer_0"]["mlp"]["up"]["kernel"]
+    mu = state["opt_state"][1][0].mu["layer_0"]["mlp"]["up"]["kernel"]
+    assert k.sharding.spec == mu.sharding.spec == P("fsdp", None), (k.sharding, mu.sharding)
+    # each device holds 1/fsdp of the parameter and of its Adam moment
+    assert k.addressable_shards[0].data.shape == mu.addressable_shards[0].data.shape == (
+        64 // fsdp, 256)
+    print("ok", data, fsdp, accum, losses)
 """)
 
 
-def test_sharded_step_equals_one_device():
-    out = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True,
-                         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+@pytest.mark.parametrize("data,fsdp,accum", [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 4, 2)],
+                         ids=["data8", "fsdp8", "data2-fsdp4", "data2-fsdp4-accum2"])
+def test_sharded_step_equals_one_device(data, fsdp, accum):
+    # 8 simulated CPU devices in a fresh process (the device count is fixed at JAX start-up).
+    out = subprocess.run([sys.executable, "-c", SHARDED, str(data), str(fsdp), str(accum)],
+                         capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 4
+    assert out.stdout.count("ok") == 1
 
 
 # ---- resume and checkpoints -----------------------------------------------------------------

@@ -133,6 +133,10 @@ def main(argv=None) -> int:
             times[v] = time.perf_counter() - t0
     W = a.window or base.seq_len // 2
     results = evaluate(out, W, a.eval_tokens or 8 * base.seq_len)
+    old = os.path.join(out, "results.json")
+    if not times and os.path.exists(old):  # --eval-only keeps the training times measured before
+        with open(old) as f:
+            times = json.load(f).get("train_seconds", {})
     results.update(preset=a.preset, overrides=a.set, train_seconds=times)
     plot_loss_curves({v: os.path.join(out, v) for v in VARIANTS}, os.path.join(out, "loss.png"),
                      f"{a.preset}: training loss by sink variant")

@@ -12,6 +12,7 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
 
 from .ppl import PplConfig, peak_rss_mb, stream_score
@@ -23,8 +24,10 @@ class DemoConfig:
     cache: int = 128  # sinks + window for window / streaming / recompute
     sinks: int = 4
     int8: bool = True  # also StreamingLLM on a SmoothQuant O1 copy
-    prompt: str = "The with statement"
+    prompt: str = "The with statement is used to"
     new_tokens: int = 160
+    temperature: float = 0.7  # sampled (top-k 40, fixed seed): greedy decoding of a small
+    top_k: int = 40           # byte model loops on one phrase
 
 
 def _run(params, cfg, ids, pc: PplConfig, desc: str) -> tuple[np.ndarray, dict]:
@@ -68,7 +71,9 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
     for label, (cfg, params, tok) in models.items():
         cache = init_cache(cfg, 1, sinks=S, window=min(64, C) - S)
         prompt = np.asarray([tok.encode(dc.prompt)], np.int32)
-        res = generate(params, cfg, prompt, cache, SamplingConfig(max_new_tokens=dc.new_tokens))
+        res = generate(params, cfg, prompt, cache, SamplingConfig(
+            max_new_tokens=dc.new_tokens, temperature=dc.temperature, top_k=dc.top_k),
+            jax.random.key(0))
         gens[label] = tok.decode(list(np.asarray(res.tokens[0, :int(res.num_tokens[0])])))
     result = {"config": dataclasses.asdict(dc), "tokens_scored": int(len(ids) - 1),
               "rows": rows, "generations": gens}

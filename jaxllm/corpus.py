@@ -9,6 +9,9 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
+import subprocess
+import sys
 import warnings
 
 MODULES = (
@@ -34,10 +37,6 @@ def _docstrings(name: str) -> list[str]:
             if attr.startswith("_"):
                 continue
             obj = getattr(mod, attr, None)
-            # sys hooks may be replaced at run time (pytest swaps sys.unraisablehook): read the
-            # originals, so the corpus is the same in every process.
-            obj = getattr(mod, f"__{attr}__", obj) if name == "sys" and attr.endswith("hook") \
-                else obj
             if not (inspect.isclass(obj) or inspect.isroutine(obj)):
                 continue
             if name != "builtins" and getattr(obj, "__module__", name) != name:
@@ -46,11 +45,26 @@ def _docstrings(name: str) -> list[str]:
     return [d for d in out if d]
 
 
-@functools.lru_cache(maxsize=1)
-def builtin_corpus() -> str:
-    """The whole embedded corpus as one string."""
+def _build() -> str:
     import pydoc_data.topics as topics
     parts = [topics.topics[k] for k in sorted(topics.topics)]
     for name in MODULES:
         parts.extend(_docstrings(name))
     return "\n\n".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_corpus() -> str:
+    """The whole embedded corpus as one string.
+
+    Built in a fresh, isolated interpreter (this file run on its own, ~0.3 s): docstrings are
+    read from live objects, and a running process may have patched or extended the modules
+    (pytest swaps sys hooks, other libraries monkeypatch), which would change the text — and a
+    resumed training run must see exactly the text the first run saw."""
+    out = subprocess.run([sys.executable, "-I", os.path.abspath(__file__)], capture_output=True,
+                         check=True)
+    return out.stdout.decode("utf-8")
+
+
+if __name__ == "__main__":  # the isolated build above
+    sys.stdout.buffer.write(_build().encode("utf-8"))

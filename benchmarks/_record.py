@@ -21,9 +21,13 @@ def machine() -> str:
             f"({jax.default_backend()}), Python {platform.python_version()}")
 
 
-def record(title: str, table: str, notes: str = "") -> None:
-    """Print ``table`` and append it to docs/BENCHMARKS.md with machine, date and command."""
+def record(title: str, table: str, notes: str = "", dry: bool = False) -> None:
+    """Print ``table`` and append it to docs/BENCHMARKS.md with machine, date and command
+    (``dry``: print the table and notes only — the scripts' ``--no-record``)."""
     print(table)
+    if dry:
+        print(notes)
+        return
     cmd = " ".join(["python"] + sys.argv)
     block = (f"\n## {title}\n\n- date: {datetime.date.today().isoformat()}\n- machine: {machine()}\n"
              f"- command: `{cmd}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))

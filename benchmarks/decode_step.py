@@ -68,10 +68,7 @@ def main():
         lines.append(f"| {B} | {a.sinks}+{a.cache - a.sinks} | {mib:.0f} | {ms:.2f} | "
                      f"{B * 1e3 / ms:.0f} | {mib / 1024 / (ms / 1e3):.1f} GB/s |")
     table = "\n".join(lines) + "\n\n" + bandwidth_line()
-    if a.no_record:
-        print(table)
-    else:
-        record(f"Decode step, {a.preset} (random weights), StreamingLLM cache", table)
+    record(f"Decode step, {a.preset} (random weights), StreamingLLM cache", table, dry=a.no_record)
 
 
 if __name__ == "__main__":

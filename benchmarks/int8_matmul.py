@@ -129,11 +129,8 @@ def main(argv=None) -> int:
     if tuned:
         notes += "\n\nBest Pallas blocks (--tune):\n" + "\n".join(tuned)
     table = "\n".join(rows)
-    if a.no_record:
-        print(table + "\n\n" + notes)
-    else:
-        record(f"INT8 matmul: Pallas vs XLA int8 vs bf16 ({jax.devices()[0].device_kind})",
-               table, notes)
+    record(f"INT8 matmul: Pallas vs XLA int8 vs bf16 ({jax.devices()[0].device_kind})",
+               table, notes, dry=a.no_record)
     return 0
 
 

@@ -127,10 +127,8 @@ def main():
         json.dump({"model": a.model, "rows": rows}, f, indent=2)
     plot(rows, os.path.join(OUT, "latency.png"), f"{a.model}: decode latency and memory")
     table = "\n".join(lines)
-    if a.no_record:
-        print(table + "\n" + notes)
-    else:
-        record("Decode latency vs cache size: StreamingLLM, dense, recompute", table, notes)
+    record("Decode latency vs cache size: StreamingLLM, dense, recompute", table, notes,
+           dry=a.no_record)
 
 
 if __name__ == "__main__":

@@ -46,10 +46,8 @@ def main():
     worst = max(r["peak_rss_mb"] for r in rows) / base
     verdict = (f"Peak RSS ratio {worst:.3f} (target <= 1.10): "
                f"{'met' if worst <= 1.10 else 'NOT met'}. Model {a.model}.")
-    if a.no_record:
-        print(table + "\n" + verdict)
-    else:
-        record("Constant memory: `jaxllm ppl` peak RSS vs stream length", table, verdict)
+    record("Constant memory: `jaxllm ppl` peak RSS vs stream length", table, verdict,
+           dry=a.no_record)
 
 
 if __name__ == "__main__":

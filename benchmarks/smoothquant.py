@@ -195,10 +195,7 @@ def main():
         table, notes = fn(a)
         title = {"accuracy": "SmoothQuant W8A8: perplexity by scheme and alpha (CPU)",
                  "speed": "SmoothQuant W8A8: weight memory, decode and prefill speed (CPU)"}[part]
-        if a.no_record:
-            print(table + "\n" + notes)
-        else:
-            record(title, table, notes)
+        record(title, table, notes, dry=a.no_record)
 
 
 if __name__ == "__main__":

@@ -97,10 +97,8 @@ def main():
     notes = (f"Memory flat within ±5%: {'met' if abs(spread) <= 0.05 else 'NOT met'} "
              f"(current RSS sampled every {B:,} tokens; bench_out/soak.png plots both series). "
              f"The text is the embedded corpus repeated, so per-bucket ppl repeats with it.")
-    if a.no_record:
-        print(table + "\n" + notes)
-    else:
-        record(f"Long-stream soak: {a.tokens:,} tokens through StreamingLLM", table, notes)
+    record(f"Long-stream soak: {a.tokens:,} tokens through StreamingLLM", table, notes,
+           dry=a.no_record)
 
 
 if __name__ == "__main__":

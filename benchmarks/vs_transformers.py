@@ -79,10 +79,8 @@ def main():
              + ", ".join(f"batch {B} {r:.2f}x ({'met' if r >= 1.5 else 'NOT met'})"
                          for B, r in ratios.items()) + ".")
     table = "\n".join(lines)
-    if a.no_record:
-        print(table + "\n" + notes)
-    else:
-        record("jaxllm vs transformers (PyTorch CPU), Pythia-160M, random weights", table, notes)
+    record("jaxllm vs transformers (PyTorch CPU), Pythia-160M, random weights", table, notes,
+           dry=a.no_record)
 
 
 if __name__ == "__main__":

@@ -273,9 +273,7 @@ def cmd_eval(a) -> None:
         if len(ids) < need:
             raise CliError(f"the corpus has {len(ids)} tokens; --n x --seq-len needs {need}")
         starts = np.random.default_rng(a.seed).integers(0, len(ids) - a.seq_len, a.n)
-        from .ppl import with_sink  # a learnable-sink model reads its sink token first
-        maps = att.attention_maps(params, cfg, np.stack(
-            [with_sink(cfg, ids[s:s + a.seq_len])[:a.seq_len] for s in starts]))
+        maps = att.attention_maps(params, cfg, np.stack([ids[s:s + a.seq_len] for s in starts]))
         result.update(att.sink_metric(maps, 0, a.eps), n=a.n, seq_len=a.seq_len)
         print(f"sink metric (share of heads with mean attention to token 0 > {a.eps}): "
               f"{result['overall']:.2f}; per layer "

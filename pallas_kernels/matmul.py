@@ -123,9 +123,8 @@ def int8_bmm(a, b, sa, sb, out_dtype=jnp.float32, *, backend: str, interpret: bo
     """Batched W8A8 product a [B, M, K] · b [B, N, K]ᵀ -> [B, M, N] with scales sa [B, M] and
     sb [B, N] (attention's QKᵀ and PV): the matmul kernel with a leading batch grid axis."""
     zero = jnp.zeros(sb.shape, jnp.float32)
-    return jax.jit(_batched, static_argnums=(5, 6, 7, 8))(
-        a, b, sa.astype(jnp.float32), sb.astype(jnp.float32), zero, out_dtype, backend, blocks,
-        interpret)
+    return _batched_jit(a, b, sa.astype(jnp.float32), sb.astype(jnp.float32), zero, out_dtype,
+                        backend, blocks, interpret)
 
 
 def _batched(x, w, sx, sw, bias, out_dtype, backend, blocks, interpret):
@@ -174,6 +173,9 @@ def _batched(x, w, sx, sw, bias, out_dtype, backend, blocks, interpret):
     else:
         raise ValueError(f"unknown Pallas backend {backend!r}; use triton or tpu")
     return y[:, :M, :N]
+
+
+_batched_jit = jax.jit(_batched, static_argnums=(5, 6, 7, 8))
 
 
 # ---- per-token quantization fused with the norm -----------------------------------------------

@@ -27,8 +27,12 @@ def _maps(params, cfg: ModelConfig, tokens):
 
 
 def attention_maps(params, cfg: ModelConfig, seqs: np.ndarray, batch: int = 4) -> np.ndarray:
-    """Attention probabilities [layers, heads, T, T] averaged over the sequences [N, T]."""
+    """Attention probabilities [layers, heads, T, T] averaged over the sequences [N, T]. A
+    learnable-sink model reads each row with its sink token first (as it was trained and as it
+    streams), the row's last token dropping off so T stays."""
     seqs = np.asarray(seqs, np.int32)
+    if cfg.sink_id is not None:
+        seqs = np.concatenate([np.full((len(seqs), 1), cfg.sink_id, np.int32), seqs[:, :-1]], 1)
     total = None
     for i in range(0, len(seqs), batch):
         chunk = seqs[i:i + batch]

@@ -31,7 +31,7 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
     """Table 3 and the sink analysis on each variant's exported model and held-out text."""
     from jaxllm.evals.attention import attention_maps, plot_maps, sink_metric
     from jaxllm.io import load_model
-    from jaxllm.ppl import PplConfig, stream_score, with_sink
+    from jaxllm.ppl import PplConfig, stream_score
     from jaxllm.tokenizer import load_tokenizer
 
     from train import data as data_lib
@@ -55,9 +55,7 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
                            desc=f"{v} recompute")[0]
         row["recompute 4+"] = float(np.exp(nll.astype(np.float64).mean()))
         L = tc.seq_len
-        maps_text = data.heldout(8 * L)
-        seqs = np.stack([with_sink(cfg, maps_text[i * L:(i + 1) * L])[:L] for i in range(8)])
-        maps = attention_maps(params, cfg, seqs)
+        maps = attention_maps(params, cfg, data.heldout(8 * L).reshape(8, L))
         plot_maps(maps, os.path.join(out, f"attention_{v}.png"),
                   f"{v}-sink model: head-averaged attention, first 16 tokens")
         metrics = [json.loads(ln) for ln in open(os.path.join(run, "metrics.jsonl"))]

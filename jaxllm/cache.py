@@ -177,3 +177,20 @@ def write_chunk(cache_k: Float[Array, "b c n h"], chunk_k: Float[Array, "b t n h
     B, T = lay.write_slot.shape
     b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     return cache_k.at[b_idx, lay.write_slot].set(chunk_k.astype(cache_k.dtype), mode="drop")
+
+
+def after_write(lay: ChunkLayout) -> tuple[Int[Array, "b c"], Bool[Array, "b 1 c"]]:
+    """Key positions and mask over the ``S+W`` cache slots *after* a one-token chunk is written.
+
+    A decode step writes its token first and then attends over the cache alone: reading the
+    cache only after the in-place write lets XLA update the donated buffer without copying it
+    (reading the old cache and then writing made XLA:CPU copy every layer's K and V twice per
+    step). The layout is the chunk one with the written slot taking over the chunk token's
+    position and mask; the slot's previous occupant is never visible to this query (an empty
+    slot, or the ring token W back, which the window already excludes).
+    """
+    C = lay.ring_k_pos.shape[1]
+    written = jnp.arange(C, dtype=jnp.int32)[None, :] == lay.write_slot[:, :1]  # [B, C]
+    k_pos = jnp.where(written, lay.chunk_k_pos[:, :1], lay.ring_k_pos)
+    mask = jnp.where(written[:, None, :], lay.rest_mask[..., C:C + 1], lay.rest_mask[..., :C])
+    return k_pos, mask

@@ -201,21 +201,31 @@ class Attention(nn.Module):
             # token-by-token process see identical keys even with a bfloat16 cache.
             k, v = k.astype(ck.dtype), v.astype(cv.dtype)
             qp = lay.rest_q_pos
-            scores = [_part_scores(q, qp, ck, lay.ring_k_pos, freq, cfg, bmm),  # cache [.., S+W]
-                      _part_scores(q, qp, k, lay.chunk_k_pos, freq, cfg, bmm)]  # chunk [.., T]
-            values = [cv, v]
-            rest_k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
-            mask = lay.rest_mask & _within_window(qp, rest_k_pos, cfg)
-            if sinks:
+            if T == 1:  # decode: write the token, then read the cache alone (no copy, see
+                # cache.after_write); a longer chunk must read the old cache first, since its
+                # later tokens overwrite ring slots its earlier tokens still attend to.
+                ck, cv = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
+                new_cache = ck, cv
+                k_pos, mask = kvc.after_write(lay)
+                scores, values = [_part_scores(q, qp, ck, k_pos, freq, cfg, bmm)], [cv]
+                sink_k, sink_v = ck[:, :sinks], cv[:, :sinks]
+            else:
+                scores = [_part_scores(q, qp, ck, lay.ring_k_pos, freq, cfg, bmm),  # [.., S+W]
+                          _part_scores(q, qp, k, lay.chunk_k_pos, freq, cfg, bmm)]  # [.., T]
+                values = [cv, v]
+                k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
+                mask = lay.rest_mask
                 sink_k = kvc.merge_sinks(ck, k, lay, sinks)  # [B, S, KVH, Dh]
                 sink_v = kvc.merge_sinks(cv, v, lay, sinks)
+                new_cache = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
+            mask = mask & _within_window(qp, k_pos, cfg)
+            if sinks:
                 sink_pos = jnp.broadcast_to(jnp.arange(sinks), (B, sinks))
                 scores.insert(0, _part_scores(q, lay.sink_q_pos, sink_k, sink_pos, freq, cfg,
                                               bmm))
                 values.insert(0, sink_v)
                 mask = jnp.concatenate([lay.sink_mask, mask], axis=-1)
             ctx, _ = _attend(scores, values, mask, cfg, bmm)
-            new_cache = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)
         return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
 

@@ -74,6 +74,56 @@ def test_chunked_padded_stream_equals_naive(family, S, W, C, B, data):
                                        atol=1e-5)
 
 
+DECODE_CASES = {  # (cfg, sinks, window, evict)
+    "neox 2+5": (NEOX, 2, 5, True),
+    "llama window 4": (LLAMA, 0, 4, True),
+    "llama dense 24": (LLAMA, 0, 24, False),
+    "mistral-window 3, 2+6": (dataclasses.replace(LLAMA, sliding_window=3), 2, 6, True),
+    "alibi 1+4": (dataclasses.replace(NEOX, pos_emb="alibi", rotary_pct=0.0), 1, 4, True),
+    "zero sink 2+3": (dataclasses.replace(LLAMA, sink="zero"), 2, 3, True),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_steps_equal_naive(case):
+    """One token per call takes the decode path (write the token, then read the cache): two rows
+    with different pauses (lengths 0) through sink filling, ring wrap-arounds and the window,
+    against the token-by-token naive cache."""
+    cfg, S, W, evict = DECODE_CASES[case]
+    params = jaxllm.init_params(cfg, jax.random.key(3))
+    rng = np.random.default_rng(4)
+    cache = jaxllm.init_cache(cfg, 2, sinks=S, window=W, evict=evict)
+    streams, got = [[], []], [[], []]
+    for _ in range(22):
+        toks = rng.integers(0, cfg.vocab_size, size=(2, 1))
+        lens = np.array([1, rng.integers(0, 2)])
+        logits, cache = jaxllm.forward(params, cfg, toks, cache, lens)
+        for b in range(2):
+            if lens[b]:
+                streams[b].append(int(toks[b, 0]))
+                got[b].append(np.asarray(logits[b, 0]))
+    for b in range(2):
+        ref = NaiveStream(params, cfg, S, W if evict else None).run(streams[b])
+        np.testing.assert_allclose(np.stack(got[b]), ref, atol=3e-5, rtol=1e-4)
+
+
+def test_decode_step_does_not_copy_the_cache():
+    """The compiled decode step updates the donated cache in place: its scratch memory is
+    smaller than the cache (reading the cache before writing it made XLA:CPU copy every layer's
+    K and V each step: 1.3-2x the cache in scratch for this model, 2x for pythia-14m at 4096)."""
+    import functools
+
+    from jaxllm.model import _forward
+    cfg, params = NEOX, PARAMS["neox"]
+    step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
+    for S in (0, 4):
+        cache = jaxllm.init_cache(cfg, 1, sinks=S, window=2048 - S)
+        mem = step.lower(params, tokens=jnp.zeros((1, 1), jnp.int32), cache=cache,
+                         lens=jnp.ones((1,), jnp.int32)).compile().memory_analysis()
+        cache_bytes = 2 * sum(k.nbytes for k in cache.k)
+        assert mem.temp_size_in_bytes < cache_bytes, (S, mem.temp_size_in_bytes, cache_bytes)
+
+
 def test_counters_near_2_31():
     """The cache stores no stream position, only bounded counters. Lay a ring out as it would be
     after 2**31 - 4 tokens and stream across 2**31: logits equal the same content laid out after

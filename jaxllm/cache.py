@@ -44,13 +44,14 @@ from .config import ModelConfig
 class KVCache:
     """Per-layer pre-RoPE keys and values plus per-row ring counters.
 
-    ``k[l]``, ``v[l]``: [B, S+W, kv_heads, head_dim]; slots ``0..S-1`` hold the sinks, ``S..S+W-1``
-    the ring. ``length`` [B]: number of filled slots (= tokens seen, saturating at S+W).
+    ``k[l]``, ``v[l]``: [B, kv_heads, S+W, head_dim] (head-major, so each head's keys are one
+    contiguous matrix for the score and value products); slots ``0..S-1`` hold the sinks,
+    ``S..S+W-1`` the ring. ``length`` [B]: number of filled slots (= tokens seen, saturating at S+W).
     ``head`` [B]: ring offset the next non-sink token is written to.
     """
 
-    k: tuple[Float[Array, "b c n h"], ...]
-    v: tuple[Float[Array, "b c n h"], ...]
+    k: tuple[Float[Array, "b n c h"], ...]
+    v: tuple[Float[Array, "b n c h"], ...]
     length: Int[Array, " b"]
     head: Int[Array, " b"]
     sinks: int = struct.field(pytree_node=False)
@@ -58,7 +59,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def window(self) -> int:
@@ -83,7 +84,7 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 (the number of recent tokens kept), "
                          f"got {window!r}")
-    shape = (batch, sinks + window, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, sinks + window, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
     return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    length=jnp.zeros((batch,), jnp.int32), head=jnp.zeros((batch,), jnp.int32),
@@ -162,21 +163,23 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
                        new_length, new_head, overflow)
 
 
-def merge_sinks(cache_k: Float[Array, "b c n h"], chunk_k: Float[Array, "b t n h"],
-                lay: ChunkLayout, S: int) -> Float[Array, "b s n h"]:
+def merge_sinks(cache_k: Float[Array, "b n c h"], chunk_k: Float[Array, "b n t h"],
+                lay: ChunkLayout, S: int) -> Float[Array, "b n s h"]:
     """Sink slots after this chunk: the cached ones, or the chunk's first tokens while n < S."""
-    from_chunk = jnp.take_along_axis(chunk_k, lay.sink_chunk_idx[:, :, None, None], axis=1)
-    return jnp.where(lay.sink_from_chunk[:, :, None, None], from_chunk.astype(cache_k.dtype),
-                     cache_k[:, :S])
+    from_chunk = jnp.take_along_axis(chunk_k, lay.sink_chunk_idx[:, None, :, None], axis=2)
+    return jnp.where(lay.sink_from_chunk[:, None, :, None], from_chunk.astype(cache_k.dtype),
+                     cache_k[:, :, :S])
 
 
-def write_chunk(cache_k: Float[Array, "b c n h"], chunk_k: Float[Array, "b t n h"],
-                lay: ChunkLayout) -> Float[Array, "b c n h"]:
+def write_chunk(cache_k: Float[Array, "b n c h"], chunk_k: Float[Array, "b n t h"],
+                lay: ChunkLayout) -> Float[Array, "b n c h"]:
     """The layer's cache after the chunk: one scatter of the chunk tokens that stay (new sinks
     to their sink slots, the last W non-sinks into the ring); the rest is dropped."""
     B, T = lay.write_slot.shape
     b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return cache_k.at[b_idx, lay.write_slot].set(chunk_k.astype(cache_k.dtype), mode="drop")
+    # Advanced indices around a slice put their dims first: the update is [B, T, KVH, Dh].
+    return cache_k.at[b_idx, :, lay.write_slot].set(
+        chunk_k.transpose(0, 2, 1, 3).astype(cache_k.dtype), mode="drop")
 
 
 def after_write(lay: ChunkLayout) -> tuple[Int[Array, "b c"], Bool[Array, "b 1 c"]]:

@@ -2,18 +2,18 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from . import cache as kvc
 from .config import ModelConfig
 from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
-from .rope import apply_rope, inv_freq
+from .rope import Rotation, apply_rope, inv_freq, rotation
 
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
@@ -99,7 +99,7 @@ class Norm(nn.Module):
 def _attend(scores_parts, value_parts, mask, cfg: ModelConfig, bmm: Optional[QAttention] = None):
     """softmax over the concatenated key axis, then the weighted sum of values (GQA-aware).
 
-    scores_parts: [B, KVH, G, T, L_i] each; value_parts: [B, L_i, KVH, Dh]; mask [B, T, sum L_i].
+    scores_parts: [B, KVH, G, T, L_i] each; value_parts: [B, KVH, L_i, Dh]; mask [B, T, sum L_i].
     Only the (small) scores are concatenated; keys and values stay where they are, so a decode
     step never copies the cache. ``bmm``: run the probs x values products in INT8.
     """
@@ -114,24 +114,27 @@ def _attend(scores_parts, value_parts, mask, cfg: ModelConfig, bmm: Optional[QAt
     p_scale = absmax_scale(probs, -1, True) if bmm is not None else None  # one per query row
     out, start = 0.0, 0
     for v in value_parts:
-        p = probs[..., start:start + v.shape[1]]
+        p = probs[..., start:start + v.shape[2]]
+        # (XLA:CPU transposes the values here, a pass over V per step. Asking for the product's
+        # natural order [B, KVH, G, T, Dh] avoids that but makes it copy the donated cache
+        # instead, which costs as much.)
         if bmm is not None:
             out = out + pv(p, v.astype(jnp.float32), p_scale, bmm.real)
         else:
-            out = out + jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
-        start += v.shape[1]
+            out = out + jnp.einsum("bkgts,bksh->btkgh", p, v.astype(jnp.float32))
+        start += v.shape[2]
     B, T = out.shape[:2]
     return out.reshape(B, T, cfg.num_heads, cfg.head_dim), probs  # [B, T, H, Dh]
 
 
 def _scores(q, k, cfg: ModelConfig, bmm: Optional[QAttention] = None):
-    """q [B, T, H, Dh], k [B, L, KVH, Dh] -> [B, KVH, G, T, L] in float32, scaled."""
+    """q [B, T, H, Dh], k [B, KVH, L, Dh] (head-major) -> [B, KVH, G, T, L] float32, scaled."""
     B, T = q.shape[:2]
     G = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim).astype(jnp.float32)
     if bmm is not None:
         return qk_scores(q, k.astype(jnp.float32), bmm.real) / math.sqrt(cfg.head_dim)
-    return jnp.einsum("btkgh,bskh->bkgts", q, k.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
+    return jnp.einsum("btkgh,bksh->bkgts", q, k.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
 
 
 def alibi_slopes(num_heads: int, bias_max: float) -> np.ndarray:
@@ -144,17 +147,17 @@ def alibi_slopes(num_heads: int, bias_max: float) -> np.ndarray:
     return slopes.astype(np.float32)
 
 
-def _part_scores(q, q_pos, k, k_pos, freq, cfg: ModelConfig, bmm=None):
-    """Scores of queries at ``q_pos`` [B, T] against keys at ``k_pos`` [B, L], positions being
-    in-cache positions: RoPE rotates both; ALiBi subtracts slope * (q_pos - k_pos), the contiguous
-    in-cache distance (REFERENCE §1); learned absolute positions were added to the input."""
-    if cfg.pos_emb == "rope":
-        q, k = apply_rope(q, q_pos, freq), apply_rope(k, k_pos, freq)
+def _part_scores(q, q_rot: Rotation, k, k_rot: Rotation, cfg: ModelConfig, bmm=None):
+    """Scores of queries [B, T, H, Dh] against head-major keys [B, KVH, L, Dh], both at
+    in-cache positions: RoPE rotates both; ALiBi subtracts slope * (q_pos - k_pos), the
+    contiguous in-cache distance (REFERENCE §1); learned absolute positions were added to the
+    input."""
+    q, k = apply_rope(q, q_rot), apply_rope(k, k_rot, head_major=True)
     s = _scores(q, k, cfg, bmm)  # [B, KVH, G, T, L]
     if cfg.pos_emb == "alibi":
         G = cfg.num_heads // cfg.num_kv_heads
         slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(cfg.num_kv_heads, G)
-        dist = (q_pos[:, :, None] - k_pos[:, None, :]).astype(jnp.float32)  # [B, T, L]
+        dist = (q_rot.pos[:, :, None] - k_rot.pos[:, None, :]).astype(jnp.float32)  # [B, T, L]
         s = s - slopes[None, :, :, None, None] * dist[:, None, None]
     return s
 
@@ -166,11 +169,50 @@ def _within_window(q_pos, k_pos, cfg: ModelConfig):
     return q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window  # [B, T, L]
 
 
+class AttnPlan(NamedTuple):
+    """Where every query and key of a forward sits: in-cache positions with their RoPE tables,
+    and the mask over [sink keys | other keys]. Computed once per forward, shared by all layers.
+
+    ``keys``: the non-sink keys in the order they are scored: 0..T-1 without a cache; the cache
+    slots then the chunk (T > 1); the cache slots after the token is written (decode, T == 1).
+    """
+
+    q: Rotation  # queries, for the non-sink keys [B, T]
+    keys: Rotation  # [B, L]
+    mask: Bool[Array, "b t l"]  # [B or 1, T, S + L]
+    q_sink: Optional[Rotation] = None  # queries at min(t, S+W-1), for the sink keys
+    k_sink: Optional[Rotation] = None  # sink keys at 0..S-1
+
+
+def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, sinks: int,
+              freq) -> AttnPlan:
+    """The plan of a plain causal forward (``lay`` None) or of a chunk of ``T`` tokens through
+    a cache with ``sinks`` sink slots; ``freq`` [B, r/2] the RoPE inverse frequencies."""
+    fr = freq if cfg.pos_emb == "rope" else None
+    if lay is None:  # plain causal forward, positions 0..T-1
+        pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+        rot = rotation(pos, fr)
+        mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
+        return AttnPlan(rot, rot, mask)
+    if T == 1:
+        k_pos, mask = kvc.after_write(lay)
+    else:
+        k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
+        mask = lay.rest_mask
+    mask = mask & _within_window(lay.rest_q_pos, k_pos, cfg)
+    plan = AttnPlan(rotation(lay.rest_q_pos, fr), rotation(k_pos, fr), mask)
+    if not sinks:
+        return plan
+    sink_pos = jnp.broadcast_to(jnp.arange(sinks), (B, sinks))
+    return plan._replace(q_sink=rotation(lay.sink_q_pos, fr), k_sink=rotation(sink_pos, fr),
+                         mask=jnp.concatenate([lay.sink_mask, mask], axis=-1))
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, lay: Optional[kvc.ChunkLayout], sinks: int, freq):
+    def __call__(self, x, layer_cache, lay: Optional[kvc.ChunkLayout], plan: AttnPlan):
         cfg = self.cfg
         B, T, _ = x.shape
         dt = _dtype(cfg)
@@ -182,14 +224,15 @@ class Attention(nn.Module):
                 y = jnp.clip(y, -cfg.qkv_clip, cfg.qkv_clip)
             return y.reshape(B, T, heads, cfg.head_dim)  # [B, T, heads, Dh]
 
-        q, k, v = proj(cfg.num_heads, "q"), proj(cfg.num_kv_heads, "k"), proj(cfg.num_kv_heads, "v")
+        # Keys and values head-major [B, KVH, T, Dh], the cache's layout: a decode step then reads
+        # each head's keys as one contiguous [L, Dh] matrix instead of transposing the cache.
+        q = proj(cfg.num_heads, "q")
+        k, v = (proj(cfg.num_kv_heads, n).transpose(0, 2, 1, 3) for n in ("k", "v"))
         bmm = self.get_variable("params", "bmm")  # QAttention: INT8 QKᵀ and PV (SmoothQuant)
 
-        if lay is None:  # plain causal forward, positions 0..T-1
-            pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-            mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
-            ctx, probs = _attend([_part_scores(q, pos, k, pos, freq, cfg, bmm)], [v], mask, cfg,
-                                 bmm)
+        if lay is None:  # plain causal forward
+            ctx, probs = _attend([_part_scores(q, plan.q, k, plan.keys, cfg, bmm)], [v], plan.mask,
+                                 cfg, bmm)
             # Attention maps for analysis (jaxllm.evals.attention), kept only when the
             # "attention" collection is mutable (calibration's "intermediates" never pays for it).
             self.sow("attention", "probs", probs.reshape(B, cfg.num_heads, T, T),
@@ -200,32 +243,26 @@ class Attention(nn.Module):
             # What is attended to is exactly what is cached (same dtype), so a chunk and the
             # token-by-token process see identical keys even with a bfloat16 cache.
             k, v = k.astype(ck.dtype), v.astype(cv.dtype)
-            qp = lay.rest_q_pos
+            S = 0 if plan.k_sink is None else plan.k_sink.pos.shape[1]
             if T == 1:  # decode: write the token, then read the cache alone (no copy, see
                 # cache.after_write); a longer chunk must read the old cache first, since its
                 # later tokens overwrite ring slots its earlier tokens still attend to.
                 ck, cv = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
                 new_cache = ck, cv
-                k_pos, mask = kvc.after_write(lay)
-                scores, values = [_part_scores(q, qp, ck, k_pos, freq, cfg, bmm)], [cv]
-                sink_k, sink_v = ck[:, :sinks], cv[:, :sinks]
+                scores, values = [_part_scores(q, plan.q, ck, plan.keys, cfg, bmm)], [cv]
+                sink_k, sink_v = ck[:, :, :S], cv[:, :, :S]
             else:
-                scores = [_part_scores(q, qp, ck, lay.ring_k_pos, freq, cfg, bmm),  # [.., S+W]
-                          _part_scores(q, qp, k, lay.chunk_k_pos, freq, cfg, bmm)]  # [.., T]
+                C = ck.shape[2]
+                scores = [_part_scores(q, plan.q, ck, plan.keys.part(0, C), cfg, bmm),
+                          _part_scores(q, plan.q, k, plan.keys.part(C, C + T), cfg, bmm)]
                 values = [cv, v]
-                k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
-                mask = lay.rest_mask
-                sink_k = kvc.merge_sinks(ck, k, lay, sinks)  # [B, S, KVH, Dh]
-                sink_v = kvc.merge_sinks(cv, v, lay, sinks)
+                sink_k = kvc.merge_sinks(ck, k, lay, S)  # [B, KVH, S, Dh]
+                sink_v = kvc.merge_sinks(cv, v, lay, S)
                 new_cache = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
-            mask = mask & _within_window(qp, k_pos, cfg)
-            if sinks:
-                sink_pos = jnp.broadcast_to(jnp.arange(sinks), (B, sinks))
-                scores.insert(0, _part_scores(q, lay.sink_q_pos, sink_k, sink_pos, freq, cfg,
-                                              bmm))
+            if S:
+                scores.insert(0, _part_scores(q, plan.q_sink, sink_k, plan.k_sink, cfg, bmm))
                 values.insert(0, sink_v)
-                mask = jnp.concatenate([lay.sink_mask, mask], axis=-1)
-            ctx, _ = _attend(scores, values, mask, cfg, bmm)
+            ctx, _ = _attend(scores, values, plan.mask, cfg, bmm)
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)
         return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
 
@@ -255,18 +292,18 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, lay, sinks: int, freq):
+    def __call__(self, x, layer_cache, lay, plan: AttnPlan):
         cfg = self.cfg
         ln1 = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_attn")
         ln2 = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_mlp")
         attn = Attention(cfg, name="attn")
         mlp = MLP(cfg, name="mlp")
         if not cfg.pre_norm:  # post-LN (OPT-350m): normalise after each residual add
-            a, new_cache = attn(x, layer_cache, lay, sinks, freq)
+            a, new_cache = attn(x, layer_cache, lay, plan)
             h = ln1(x + a)
             return ln2(h + mlp(h)), new_cache
         h1 = ln1(x)
-        a, new_cache = attn(h1, layer_cache, lay, sinks, freq)
+        a, new_cache = attn(h1, layer_cache, lay, plan)
         if cfg.parallel_residual:  # x + Attn(LN1 x) + MLP(LN2 x), or one shared LN (Falcon-7B)
             return x + a + mlp(h1 if cfg.shared_norm else ln2(x)), new_cache
         h = x + a
@@ -291,14 +328,15 @@ class Transformer(nn.Module):
             x = x + nn.Embed(cfg.max_seq_len, cfg.hidden_size,
                              embedding_init=nn.initializers.normal(cfg.init_std),
                              name="pos_embed")(pos).astype(dt)
-        # RoPE frequencies once per forward; only dynamic NTK scaling depends on the length.
+        # RoPE frequencies, positions, tables and masks once per forward, shared by all layers;
+        # only dynamic NTK scaling depends on the length.
         seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.new_length
         freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
+        plan = attn_plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq)
         new_k, new_v = [], []
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer])
-            x, nc = Block(cfg, name=f"layer_{layer}")(
-                x, layer_cache, lay, 0 if cache is None else cache.sinks, freq)
+            x, nc = Block(cfg, name=f"layer_{layer}")(x, layer_cache, lay, plan)
             if nc is not None:
                 new_k.append(nc[0])
                 new_v.append(nc[1])
@@ -381,7 +419,9 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
     if cache.batch != B:
         raise ValueError(f"tokens have batch {B} but the cache was made for batch {cache.batch}; "
                          f"use init_cache(cfg, batch={B}, ...)")
-    if cache.k[0].shape[2:] != (cfg.num_kv_heads, cfg.head_dim) or len(cache.k) != cfg.num_layers:
+    kv_shape = cache.k[0].shape
+    if (kv_shape[1], kv_shape[3]) != (cfg.num_kv_heads, cfg.head_dim) or \
+            len(cache.k) != cfg.num_layers:
         raise ValueError("the cache does not match this ModelConfig (layers/kv heads/head dim); "
                          "make it with init_cache(cfg, ...) for the same cfg")
     if not cache.evict and _is_concrete(cache.length) and _is_concrete(lens):

@@ -141,22 +141,21 @@ def _int8_einsum(eq: str, a: Array, b: Array, real: bool) -> Array:
     return jnp.einsum(eq, a.astype(jnp.float32), b.astype(jnp.float32))
 
 
-def qk_scores(q: Float[Array, "b t k g h"], k: Float[Array, "b s k h"], real: bool
+def qk_scores(q: Float[Array, "b t k g h"], k: Float[Array, "b k s h"], real: bool
               ) -> Float[Array, "b k g t s"]:
-    """q·kᵀ with both sides int8, per-token (and head) scales."""
+    """q·kᵀ with both sides int8, per-token (and head) scales; keys head-major."""
     sq_, sk = absmax_scale(q, -1, True), absmax_scale(k, -1, True)
-    acc = _int8_einsum("btkgh,bskh->bkgts", quantize(q, sq_), quantize(k, sk), real)
-    return acc * jnp.einsum("btkg->bkgt", sq_[..., 0])[..., None] * \
-        jnp.einsum("bsk->bks", sk[..., 0])[:, :, None, None, :]
+    acc = _int8_einsum("btkgh,bksh->bkgts", quantize(q, sq_), quantize(k, sk), real)
+    return acc * jnp.einsum("btkg->bkgt", sq_[..., 0])[..., None] * sk[:, :, None, None, :, 0]
 
 
-def pv(p: Float[Array, "b k g t s"], v: Float[Array, "b s k h"], p_scale: Array, real: bool
+def pv(p: Float[Array, "b k g t s"], v: Float[Array, "b k s h"], p_scale: Array, real: bool
        ) -> Float[Array, "b t k g h"]:
     """probs · v with int8 probs (row scale ``p_scale`` [b, k, g, t, 1], shared by all key
-    parts of a row) and int8 v (per head and channel over its keys)."""
-    sv = absmax_scale(v, 1, True)  # [b, 1, k, h]
-    acc = _int8_einsum("bkgts,bskh->btkgh", quantize(p, p_scale), quantize(v, sv), real)
-    return acc * jnp.einsum("bkgt->btkg", p_scale[..., 0])[..., None] * sv[:, 0, :, None, :]
+    parts of a row) and int8 v (head-major; per head and channel over its keys)."""
+    sv = absmax_scale(v, 2, True)  # [b, k, 1, h]
+    acc = _int8_einsum("bkgts,bksh->btkgh", quantize(p, p_scale), quantize(v, sv), real)
+    return acc * jnp.einsum("bkgt->btkg", p_scale[..., 0])[..., None] * sv[:, None, :, :, :]
 
 
 # ---- (de)serialisation: QKernel nodes <-> plain dicts plus a spec of their static fields --------

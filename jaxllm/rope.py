@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -43,22 +43,47 @@ def inv_freq(rotary_dim: int, theta: float, scaling: Optional[RopeScaling],
     return jnp.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: Float[Array, "b t n h"], pos: Int[Array, "b t"],
-               freq: Float[Array, "b r2"]) -> Float[Array, "b t n h"]:
-    """Rotate the first ``2 * freq.shape[-1]`` dims of every head of ``x`` to positions ``pos``.
+class Rotation(NamedTuple):
+    """Positions [B, L] and their RoPE table (cos, sin [B, L, r/2]; None without RoPE).
 
+    A forward computes one per position set and every layer shares it: cos and sin cost far
+    more than the rotation itself on CPU, and a layer-local table recomputed them per layer (and
+    XLA fused them into the rotation, per head and channel)."""
+
+    pos: Int[Array, "b l"]
+    cos: Optional[Float[Array, "b l r2"]] = None
+    sin: Optional[Float[Array, "b l r2"]] = None
+
+    def part(self, start: int, stop: int) -> "Rotation":
+        """Positions ``start:stop`` of this set."""
+        return Rotation(*(None if x is None else x[:, start:stop] for x in self))
+
+
+def rotation(pos: Int[Array, "b l"], freq: Optional[Float[Array, "b r2"]]) -> Rotation:
+    """The table for positions ``pos`` at inverse frequencies ``freq`` (None: positions only)."""
+    if freq is None or freq.shape[-1] == 0:
+        return Rotation(pos)
+    ang = pos.astype(jnp.float32)[..., None] * freq[:, None, :]  # [b, l, r/2]
+    return Rotation(pos, jnp.cos(ang), jnp.sin(ang))
+
+
+def apply_rope(x: Float[Array, "b t n h"], rot: Rotation, head_major: bool = False
+               ) -> Float[Array, "b t n h"]:
+    """Rotate the first ``2 * r/2`` dims of every head of ``x`` to the positions of ``rot``.
+
+    ``x`` is [b, t, n, h], or [b, n, t, h] with ``head_major`` (the layout of cached keys).
     Positions may be negative: the cache rotates keys at their (negative) offset from the chunk
     start, because only the difference between query and key positions enters the score.
     """
-    rotary_dim = 2 * freq.shape[-1]
-    if rotary_dim == 0:
+    if rot.cos is None:
         return x
-    ang = pos.astype(jnp.float32)[..., None] * freq[:, None, :]  # [b, t, r/2]
-    ang = jnp.concatenate([ang, ang], axis=-1)  # [b, t, r]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]  # broadcast over heads
+    rotary_dim = 2 * rot.cos.shape[-1]
+    axis = 1 if head_major else 2  # broadcast over the heads axis
+    cos = jnp.expand_dims(jnp.concatenate([rot.cos, rot.cos], -1), axis)  # [.., r]
+    sin = jnp.expand_dims(jnp.concatenate([rot.sin, rot.sin], -1), axis)
     xf = x.astype(jnp.float32)
-    rot, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
+    r, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
     half = rotary_dim // 2
-    rotated_half = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    out = jnp.concatenate([rot * cos + rotated_half * sin, rest], axis=-1)
+    rotated_half = jnp.concatenate([-r[..., half:], r[..., :half]], axis=-1)
+    out = jnp.concatenate([r * cos + rotated_half * sin, rest], axis=-1)
     return out.astype(x.dtype)

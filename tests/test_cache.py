@@ -70,7 +70,7 @@ def test_chunked_padded_stream_equals_naive(family, S, W, C, B, data):
         np.testing.assert_allclose(np.stack(got[b]), ref, atol=3e-5, rtol=1e-4)
         # Every kept token sits in the slot the write-index formula names, as pre-RoPE keys.
         for pos, t in enumerate(naive.kept):
-            np.testing.assert_allclose(cache.k[0][b, slot_of(t, S, W)], naive.kv[0][pos][0],
+            np.testing.assert_allclose(cache.k[0][b, :, slot_of(t, S, W)], naive.kv[0][pos][0],
                                        atol=1e-5)
 
 
@@ -136,15 +136,15 @@ def test_counters_near_2_31():
     for d in range(1, W + 1):
         perm[(slot_of(n_b - d, S, W) - S)] = slot_of(n_a - d, S, W) - S
     idx = np.r_[np.arange(S), S + np.asarray(perm)]
-    b = a.replace(k=tuple(k[:, idx] for k in a.k), v=tuple(v[:, idx] for v in a.v),
+    b = a.replace(k=tuple(k[:, :, idx] for k in a.k), v=tuple(v[:, :, idx] for v in a.v),
                   head=jnp.asarray([(n_b - S) % W], jnp.int32))
     for i in range(10):
         la, a = jaxllm.forward(params, cfg, toks[:, n_a + i:n_a + i + 1], a)
         lb, b = jaxllm.forward(params, cfg, toks[:, n_a + i:n_a + i + 1], b)
         np.testing.assert_allclose(lb, la, atol=1e-6)
         # layer-0 keys depend on the token alone: bit-identical, in the formula's slot
-        np.testing.assert_array_equal(b.k[0][0, slot_of(n_b + i, S, W)],
-                                      a.k[0][0, slot_of(n_a + i, S, W)])
+        np.testing.assert_array_equal(b.k[0][0, :, slot_of(n_b + i, S, W)],
+                                      a.k[0][0, :, slot_of(n_a + i, S, W)])
     assert b.length.dtype == jnp.int32 and int(b.length[0]) == S + W
     assert int(b.head[0]) == (n_b + 10 - S) % W
 

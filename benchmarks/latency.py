@@ -21,8 +21,10 @@ from _record import record  # noqa: E402
 OUT = os.path.join(os.path.dirname(__file__), "..", "bench_out")
 
 
-def measure(model: str, method: str, L: int, tokens: int) -> dict:
-    """ms per decoded token with a full cache of L slots (or a window of L for recompute)."""
+def measure(model: str, method: str, L: int, tokens: int, rounds: int) -> dict:
+    """ms per decoded token with a full cache of L slots (or a window of L for recompute): the
+    best of ``rounds`` timings of ``tokens`` steps each (this host is shared; the minimum is the
+    least disturbed)."""
     import jax
     import jax.numpy as jnp
 
@@ -34,29 +36,42 @@ def measure(model: str, method: str, L: int, tokens: int) -> dict:
     if method == "recompute":
         fwd = jax.jit(lambda p, w: _forward(p, cfg, w, None, None)[0][:, -1])
         window = jnp.ones((1, L), jnp.int32)
-        fwd(params, window).block_until_ready()
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            out = fwd(params, window)
-        out.block_until_ready()
+        state = None
+
+        def run(state):
+            for _ in range(tokens):
+                out = fwd(params, window)
+            out.block_until_ready()
+            return state
     else:
         step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
-        if method == "dense":  # filled to L - tokens - 1, then decoded up to L
+        if method == "dense":  # filled so that warm-up + rounds decode up to L - 1
             cache = jaxllm.init_cache(cfg, 1, sinks=0, window=L, evict=False)
-            fill = L - tokens - 1
+            fill = L - (rounds + 1) * tokens - 1
         else:  # streaming: a full 4 + (L - 4) ring, as after a long stream
             cache = jaxllm.init_cache(cfg, 1, sinks=4, window=L - 4)
             fill = L
-        _, cache = jaxllm.forward(params, cfg, jnp.ones((1, fill), jnp.int32), cache)
+        # Filled in 256-token chunks, so the peak RSS is the decode's, not a 4096-token prefill's
+        # [L, L] score matrices.
+        for i in range(0, fill, 256):
+            _, cache = jaxllm.forward(params, cfg, jnp.ones((1, min(256, fill - i)), jnp.int32),
+                                      cache)
         lens = jnp.ones((1,), jnp.int32)
-        out, cache = step(params, tokens=tok, cache=cache, lens=lens)  # compile
-        out.block_until_ready()
+
+        def run(cache):
+            for _ in range(tokens):
+                out, cache = step(params, tokens=tok, cache=cache, lens=lens)
+            out.block_until_ready()
+            return cache
+        state = cache
+    state = run(state)  # compile
+    times = []
+    for _ in range(rounds):
         t0 = time.perf_counter()
-        for _ in range(tokens):
-            out, cache = step(params, tokens=tok, cache=cache, lens=lens)
-        out.block_until_ready()
-    ms = (time.perf_counter() - t0) / tokens * 1e3
-    return {"method": method, "cache": L, "ms_per_token": ms, "peak_rss_mb": peak_rss_mb()}
+        state = run(state)
+        times.append((time.perf_counter() - t0) / tokens * 1e3)
+    return {"method": method, "cache": L, "ms_per_token": min(times),
+            "ms_per_token_median": sorted(times)[len(times) // 2], "peak_rss_mb": peak_rss_mb()}
 
 
 def plot(rows, path, title):
@@ -85,21 +100,24 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="random:pythia-14m")
     ap.add_argument("--sizes", default="256,512,1024,2048,4096")
-    ap.add_argument("--tokens", type=int, default=64, help="decode steps timed (cached methods)")
-    ap.add_argument("--recompute-tokens", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32,
+                    help="decode steps per timed round (cached methods)")
+    ap.add_argument("--recompute-tokens", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds; the best is reported")
     ap.add_argument("--one", nargs=2, metavar=("METHOD", "L"), help=argparse.SUPPRESS)
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     if a.one:
         method, L = a.one[0], int(a.one[1])
         n = a.recompute_tokens if method == "recompute" else a.tokens
-        print(json.dumps(measure(a.model, method, L, n)))
+        print(json.dumps(measure(a.model, method, L, n, a.rounds)))
         return
     rows = []
     for L in [int(x) for x in a.sizes.split(",")]:
         for method in ("streaming", "dense", "recompute"):
             out = subprocess.run([sys.executable, __file__, "--model", a.model, "--tokens",
                                   str(a.tokens), "--recompute-tokens", str(a.recompute_tokens),
+                                  "--rounds", str(a.rounds),
                                   "--one", method, str(L)], check=True, capture_output=True,
                                  text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
@@ -118,7 +136,8 @@ def main():
     top = max(sizes)
     speed = by["recompute", top]["ms_per_token"] / by["streaming", top]["ms_per_token"]
     vs_dense = by["streaming", top]["ms_per_token"] / by["dense", top]["ms_per_token"]
-    notes = (f"Model {a.model}, batch 1. At cache {top}: StreamingLLM is {speed:.1f}x faster per "
+    notes = (f"Model {a.model}, batch 1; ms/token is the best of {a.rounds} rounds of "
+             f"{a.tokens} steps ({a.recompute_tokens} for recompute). At cache {top}: StreamingLLM is {speed:.1f}x faster per "
              f"token than recompute (target >= 22.2x: {'met' if speed >= 22.2 else 'NOT met'}) "
              f"and {vs_dense:.2f}x the dense cache's time (target <= 1.15x: "
              f"{'met' if vs_dense <= 1.15 else 'NOT met'}).")

@@ -1,8 +1,8 @@
-"""Per-token decode latency and peak memory against cache size (StreamingLLM Fig. 10):
+"""Per-token decode latency and memory against cache size (StreamingLLM Fig. 10):
 StreamingLLM (4 sinks + window), a dense cache of the same size, and sliding window with
 re-computation (a fresh forward over the last L tokens for every token).
 
-Each (method, cache size) runs in its own process so peak RSS belongs to that configuration.
+Each cache size runs in a fresh process; within it the three methods' timed rounds alternate.
 Prints a table, writes bench_out/latency.{json,png} and appends the table to docs/BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -21,57 +21,61 @@ from _record import record  # noqa: E402
 OUT = os.path.join(os.path.dirname(__file__), "..", "bench_out")
 
 
-def measure(model: str, method: str, L: int, tokens: int, rounds: int) -> dict:
-    """ms per decoded token with a full cache of L slots (or a window of L for recompute): the
-    best of ``rounds`` timings of ``tokens`` steps each (this host is shared; the minimum is the
-    least disturbed)."""
+def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int) -> list[dict]:
+    """ms per decoded token with L slots for the three methods, their rounds interleaved (this
+    host is shared: whatever slows one round slows the others' neighbouring rounds too), each
+    method's best round reported; and the memory one step needs (XLA's accounting of the
+    compiled step: weights + KV cache + scratch)."""
     import jax
     import jax.numpy as jnp
 
     import jaxllm
     from jaxllm.model import _forward
-    from jaxllm.ppl import peak_rss_mb
     cfg, params, _ = jaxllm.load_model(model)
-    tok = jnp.ones((1, 1), jnp.int32)
-    if method == "recompute":
-        fwd = jax.jit(lambda p, w: _forward(p, cfg, w, None, None)[0][:, -1])
-        window = jnp.ones((1, L), jnp.int32)
-        state = None
+    tok, lens = jnp.ones((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
+    step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
+    recompute = jax.jit(lambda p, w: _forward(p, cfg, w, None, None)[0][:, -1])
+    window = jnp.ones((1, L), jnp.int32)
 
-        def run(state):
-            for _ in range(tokens):
-                out = fwd(params, window)
-            out.block_until_ready()
-            return state
-    else:
-        step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
-        if method == "dense":  # filled so that warm-up + rounds decode up to L - 1
-            cache = jaxllm.init_cache(cfg, 1, sinks=0, window=L, evict=False)
-            fill = L - (rounds + 1) * tokens - 1
-        else:  # streaming: a full 4 + (L - 4) ring, as after a long stream
-            cache = jaxllm.init_cache(cfg, 1, sinks=4, window=L - 4)
-            fill = L
-        # Filled in 256-token chunks, so the peak RSS is the decode's, not a 4096-token prefill's
-        # [L, L] score matrices.
-        for i in range(0, fill, 256):
-            _, cache = jaxllm.forward(params, cfg, jnp.ones((1, min(256, fill - i)), jnp.int32),
+    def filled(cache, n):  # 256-token chunks: no [L, L] prefill in the way
+        for i in range(0, n, 256):
+            _, cache = jaxllm.forward(params, cfg, jnp.ones((1, min(256, n - i)), jnp.int32),
                                       cache)
-        lens = jnp.ones((1,), jnp.int32)
+        return cache
 
-        def run(cache):
+    # streaming: a full 4 + (L - 4) ring, as after a long stream; dense: filled so that the
+    # warm-up and every round decode within its L slots.
+    state = {"streaming": filled(jaxllm.init_cache(cfg, 1, sinks=4, window=L - 4), L),
+             "dense": filled(jaxllm.init_cache(cfg, 1, sinks=0, window=L, evict=False),
+                             L - (rounds + 1) * tokens - 1),
+             "recompute": None}
+    memory = {m: step.lower(params, tokens=tok, cache=state[m], lens=lens).compile()
+              for m in ("streaming", "dense")}
+    memory["recompute"] = recompute.lower(params, window).compile()
+    memory = {m: (c.memory_analysis().argument_size_in_bytes
+                  + c.memory_analysis().temp_size_in_bytes) / 2**20 for m, c in memory.items()}
+
+    def run(method, cache):
+        if method == "recompute":
+            for _ in range(recompute_tokens):
+                out = recompute(params, window)
+        else:
             for _ in range(tokens):
                 out, cache = step(params, tokens=tok, cache=cache, lens=lens)
-            out.block_until_ready()
-            return cache
-        state = cache
-    state = run(state)  # compile
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        state = run(state)
-        times.append((time.perf_counter() - t0) / tokens * 1e3)
-    return {"method": method, "cache": L, "ms_per_token": min(times),
-            "ms_per_token_median": sorted(times)[len(times) // 2], "peak_rss_mb": peak_rss_mb()}
+        out.block_until_ready()
+        return cache
+
+    times = {m: [] for m in state}
+    for r in range(rounds + 1):  # round 0 compiles
+        for m in state:
+            t0 = time.perf_counter()
+            state[m] = run(m, state[m])
+            if r:
+                n = recompute_tokens if m == "recompute" else tokens
+                times[m].append((time.perf_counter() - t0) / n * 1e3)
+    return [{"method": m, "cache": L, "ms_per_token": min(times[m]),
+             "ms_per_token_median": sorted(times[m])[len(times[m]) // 2],
+             "step_memory_mib": memory[m]} for m in state]
 
 
 def plot(rows, path, title):
@@ -82,10 +86,11 @@ def plot(rows, path, title):
     for method in ("recompute", "dense", "streaming"):
         r = [x for x in rows if x["method"] == method]
         a1.plot([x["cache"] for x in r], [x["ms_per_token"] for x in r], marker="o", label=method)
-        a2.plot([x["cache"] for x in r], [x["peak_rss_mb"] for x in r], marker="o", label=method)
+        a2.plot([x["cache"] for x in r], [x["step_memory_mib"] for x in r], marker="o",
+                label=method)
     a1.set_yscale("log")
     a1.set_ylabel("ms per token")
-    a2.set_ylabel("peak RSS (MiB)")
+    a2.set_ylabel("step memory (MiB)")
     for a in (a1, a2):
         a.set_xlabel("cache size")
         a.set_xscale("log", base=2)
@@ -104,26 +109,23 @@ def main():
                     help="decode steps per timed round (cached methods)")
     ap.add_argument("--recompute-tokens", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds; the best is reported")
-    ap.add_argument("--one", nargs=2, metavar=("METHOD", "L"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", type=int, metavar="L", help=argparse.SUPPRESS)
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     if a.one:
-        method, L = a.one[0], int(a.one[1])
-        n = a.recompute_tokens if method == "recompute" else a.tokens
-        print(json.dumps(measure(a.model, method, L, n, a.rounds)))
+        print(json.dumps(measure(a.model, a.one, a.tokens, a.recompute_tokens, a.rounds)))
         return
     rows = []
-    for L in [int(x) for x in a.sizes.split(",")]:
-        for method in ("streaming", "dense", "recompute"):
-            out = subprocess.run([sys.executable, __file__, "--model", a.model, "--tokens",
-                                  str(a.tokens), "--recompute-tokens", str(a.recompute_tokens),
-                                  "--rounds", str(a.rounds),
-                                  "--one", method, str(L)], check=True, capture_output=True,
-                                 text=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-            print(rows[-1], flush=True)
+    for L in [int(x) for x in a.sizes.split(",")]:  # a fresh process per cache size
+        out = subprocess.run([sys.executable, __file__, "--model", a.model, "--tokens",
+                              str(a.tokens), "--recompute-tokens", str(a.recompute_tokens),
+                              "--rounds", str(a.rounds), "--one", str(L)], check=True,
+                             capture_output=True, text=True).stdout
+        rows.extend(json.loads(out.strip().splitlines()[-1]))
+        for r in rows[-3:]:
+            print(r, flush=True)
     lines = ["| cache | StreamingLLM ms/tok | dense ms/tok | recompute ms/tok | "
-             "recompute / StreamingLLM | StreamingLLM / dense | peak RSS MiB (S / D / R) |",
+             "recompute / StreamingLLM | StreamingLLM / dense | step memory MiB (S / D / R) |",
              "|---:|---:|---:|---:|---:|---:|---|"]
     by = {(r["method"], r["cache"]): r for r in rows}
     sizes = sorted({r["cache"] for r in rows})
@@ -131,16 +133,20 @@ def main():
         s, d, r = by["streaming", L], by["dense", L], by["recompute", L]
         lines.append(f"| {L} | {s['ms_per_token']:.2f} | {d['ms_per_token']:.2f} | "
                      f"{r['ms_per_token']:.1f} | {r['ms_per_token'] / s['ms_per_token']:.1f}x | "
-                     f"{s['ms_per_token'] / d['ms_per_token']:.2f}x | {s['peak_rss_mb']:.0f} / "
-                     f"{d['peak_rss_mb']:.0f} / {r['peak_rss_mb']:.0f} |")
+                     f"{s['ms_per_token'] / d['ms_per_token']:.2f}x | {s['step_memory_mib']:.1f} / "
+                     f"{d['step_memory_mib']:.1f} / {r['step_memory_mib']:.1f} |")
     top = max(sizes)
     speed = by["recompute", top]["ms_per_token"] / by["streaming", top]["ms_per_token"]
     vs_dense = by["streaming", top]["ms_per_token"] / by["dense", top]["ms_per_token"]
-    notes = (f"Model {a.model}, batch 1; ms/token is the best of {a.rounds} rounds of "
-             f"{a.tokens} steps ({a.recompute_tokens} for recompute). At cache {top}: StreamingLLM is {speed:.1f}x faster per "
-             f"token than recompute (target >= 22.2x: {'met' if speed >= 22.2 else 'NOT met'}) "
+    med = by["streaming", top]["ms_per_token_median"] / by["dense", top]["ms_per_token_median"]
+    notes = (f"Model {a.model}, batch 1. ms/token: the best of {a.rounds} rounds of {a.tokens} "
+             f"steps ({a.recompute_tokens} for recompute), the three methods' rounds interleaved "
+             f"in one process per cache size (medians in bench_out/latency.json). Step memory: "
+             f"XLA's accounting of the compiled step (weights + KV cache + scratch). At cache "
+             f"{top}: StreamingLLM is {speed:.1f}x faster per token than recompute (target "
+             f">= 22.2x: {'met' if speed >= 22.2 else 'NOT met'}) "
              f"and {vs_dense:.2f}x the dense cache's time (target <= 1.15x: "
-             f"{'met' if vs_dense <= 1.15 else 'NOT met'}).")
+             f"{'met' if vs_dense <= 1.15 else 'NOT met'}; medians {med:.2f}x).")
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "latency.json"), "w") as f:
         json.dump({"model": a.model, "rows": rows}, f, indent=2)

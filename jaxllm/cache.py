@@ -46,7 +46,8 @@ class KVCache:
 
     ``k[l]``, ``v[l]``: [B, kv_heads, S+W, head_dim] (head-major, so each head's keys are one
     contiguous matrix for the score and value products); slots ``0..S-1`` hold the sinks,
-    ``S..S+W-1`` the ring. ``length`` [B]: number of filled slots (= tokens seen, saturating at S+W).
+    ``S..S+W-1`` the ring. ``length`` [B]: number of filled slots (= tokens seen, saturating at
+    S+W).
     ``head`` [B]: ring offset the next non-sink token is written to.
     """
 

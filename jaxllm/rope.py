@@ -46,9 +46,9 @@ def inv_freq(rotary_dim: int, theta: float, scaling: Optional[RopeScaling],
 class Rotation(NamedTuple):
     """Positions [B, L] and their RoPE table (cos, sin [B, L, r/2]; None without RoPE).
 
-    A forward computes one per position set and every layer shares it: cos and sin cost far
-    more than the rotation itself on CPU, and a layer-local table recomputed them per layer (and
-    XLA fused them into the rotation, per head and channel)."""
+    A forward computes one per position set and every layer shares it: on CPU, cos and sin of a
+    4096-slot cache cost several times the rotation itself, and a layer-local table recomputed
+    them in every layer."""
 
     pos: Int[Array, "b l"]
     cos: Optional[Float[Array, "b l r2"]] = None

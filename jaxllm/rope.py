@@ -69,7 +69,8 @@ def rotation(pos: Int[Array, "b l"], freq: Optional[Float[Array, "b r2"]]) -> Ro
 
 def apply_rope(x: Float[Array, "b t n h"], rot: Rotation, head_major: bool = False
                ) -> Float[Array, "b t n h"]:
-    """Rotate the first ``2 * r/2`` dims of every head of ``x`` to the positions of ``rot``.
+    """Rotate the first r dims (r = 2 * rot.cos.shape[-1]) of every head of ``x`` to the
+    positions of ``rot``.
 
     ``x`` is [b, t, n, h], or [b, n, t, h] with ``head_major`` (the layout of cached keys).
     Positions may be negative: the cache rotates keys at their (negative) offset from the chunk

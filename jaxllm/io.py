@@ -228,9 +228,11 @@ def _restore_orbax(path: str, sharding):
     path = os.path.abspath(path)  # orbax wants absolute paths
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is missing: the orbax checkpoint of this model")
+    if sharding is None:
+        # Onto the default device, never the saved placement: a checkpoint written on a GPU
+        # must load on a CPU-only machine (orbax refuses a different topology otherwise).
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     with ocp.StandardCheckpointer() as ckpt:
-        if sharding is None:
-            return ckpt.restore(path)
         meta = ckpt.metadata(path).item_metadata.tree
         shapes = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), meta)
         if isinstance(sharding, jax.sharding.Sharding):

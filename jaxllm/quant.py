@@ -136,8 +136,8 @@ class QAttention:
 
 
 def _int8_einsum(eq: str, a: Array, b: Array, real: bool) -> Array:
-    if real:
-        return jnp.einsum(eq, a, b, preferred_element_type=jnp.int32).astype(jnp.float32)
+    if real:  # exact int32 (contractions padded: see int8_einsum)
+        return pallas_kernels.reference.int8_einsum(eq, a, b).astype(jnp.float32)
     return jnp.einsum(eq, a.astype(jnp.float32), b.astype(jnp.float32))
 
 

@@ -179,6 +179,15 @@ _batched_jit = jax.jit(_batched, static_argnums=(5, 6, 7, 8))
 
 
 # ---- per-token quantization fused with the norm -----------------------------------------------
+def _round_half_even(v):
+    """``jnp.round`` (ties to even) built from ``floor``: the Triton lowering has no ``round``
+    primitive. Exact for |v| < 2^23 (``v - floor(v)`` is then exact)."""
+    f = jnp.floor(v)
+    d = v - f
+    odd = f - 2.0 * jnp.floor(f * 0.5) != 0
+    return jnp.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
 def _quant_kernel(x_ref, g_ref, b_ref, q_ref, s_ref, *, norm: Optional[str], eps: float, d: int):
     x = x_ref[...].astype(jnp.float32)  # [bm, Dp]; columns >= d are padding
     valid = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < d
@@ -194,7 +203,7 @@ def _quant_kernel(x_ref, g_ref, b_ref, q_ref, s_ref, *, norm: Optional[str], eps
     y = jnp.where(valid, y, 0.0)
     m = jnp.max(jnp.abs(y), -1, keepdims=True)
     scale = jnp.where(m > 0, m / QMAX, 1.0)  # [bm, 1]
-    q_ref[...] = jnp.clip(jnp.round(y / scale), -QMAX, QMAX).astype(jnp.int8)
+    q_ref[...] = jnp.clip(_round_half_even(y / scale), -QMAX, QMAX).astype(jnp.int8)
     s_ref[...] = scale
 
 

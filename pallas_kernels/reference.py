@@ -11,13 +11,36 @@ from jaxtyping import Array, Float, Int, Int8
 QMAX = 127.0
 
 
+K_MULTIPLE = 16
+
+
+def int8_einsum(eq: str, a: Int8[Array, "..."], b: Int8[Array, "..."]) -> Int[Array, "..."]:
+    """``jnp.einsum(eq, a, b)`` of int8 operands with an exact int32 result.
+
+    Every contracted axis is zero-padded to a multiple of 16 first (zeros add nothing to an
+    integer sum). XLA on an H100 (jax 0.11.2) returned twice the true product for contractions
+    of 7 or 33 and failed to compile some small int8 einsums ("No supported config found");
+    with the contraction padded every shape checked was exact (benchmarks/xla_int8_check.py,
+    docs/BENCHMARKS.md). Real models' contractions (hidden sizes, head dims) are already
+    multiples of 16, so they pay nothing."""
+    ins, out = eq.replace(" ", "").split("->")
+    sa, sb = ins.split(",")
+    contracted = (set(sa) & set(sb)) - set(out)
+
+    def pad(x, sub):
+        widths = [(0, -x.shape[i] % K_MULTIPLE if c in contracted else 0) for i, c in
+                  enumerate(sub)]
+        return jnp.pad(x, widths) if any(w for _, w in widths) else x
+
+    return jnp.einsum(eq, pad(a, sa), pad(b, sb), preferred_element_type=jnp.int32)
+
+
 def int8_matmul(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n"]:
     """x @ wᵀ, int8 x int8 -> int32 exactly; ``w`` K-major [N, K] as the kernels store it."""
     M = x.shape[0]
     if M == 1:  # XLA's CPU int8 GEMV is ~30x slower than a two-row GEMM: pad one zero row
         x = jnp.concatenate([x, jnp.zeros_like(x)])
-    acc = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    return acc[:M]
+    return int8_einsum("mk,nk->mn", x, w)[:M]
 
 
 def epilogue(acc: Int[Array, "m n"], sx: Float[Array, " m"], sw: Float[Array, " n"],
@@ -65,5 +88,5 @@ def quantize_per_token(x: Float[Array, "m d"], norm: Optional[str] = None, gamma
 def int8_bmm(a: Int8[Array, "b m k"], b: Int8[Array, "b n k"], sa: Float[Array, "b m"],
              sb: Float[Array, "b n"], out_dtype=jnp.float32) -> Array:
     """Batched W8A8 product (attention's QKᵀ and PV) with scales on the outer dims."""
-    acc = jnp.einsum("bmk,bnk->bmn", a, b, preferred_element_type=jnp.int32)
+    acc = int8_einsum("bmk,bnk->bmn", a, b)
     return (acc.astype(jnp.float32) * sa[..., :, None] * sb[..., None, :]).astype(out_dtype)

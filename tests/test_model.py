@@ -29,6 +29,21 @@ def test_forward_matches_naive_numpy(name):
     np.testing.assert_allclose(logits, naive_logits(params, cfg, tokens), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.gpu
+def test_default_precision_on_gpu_is_within_tf32(model):
+    """The tests run float32 products at full precision (conftest); users get the GPU's default,
+    TF32 (10-bit mantissa): the forward must still match the float64 reference to TF32's
+    rounding, relative to the logits' scale."""
+    cfg, params = model
+    tokens = jax.random.randint(jax.random.key(5), (2, 24), 0, cfg.vocab_size)
+    with jax.default_matmul_precision("default"):
+        logits, _ = jax.jit(lambda p, t: jaxllm.model._forward(p, cfg, t, None, None))(params,
+                                                                                     tokens)
+    ref = naive_logits(params, cfg, tokens)
+    err = np.abs(np.asarray(logits, np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 5e-3, err
+
+
 def test_dense_cache_decode_equals_plain_forward(model):
     cfg, params = model
     tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, cfg.vocab_size)

@@ -91,6 +91,19 @@ def test_fused_norm_quantize(backend, norm):
         assert float(s[5]) == 1.0 and not np.asarray(q[5]).any()
 
 
+@pytest.mark.parametrize("eq,sa,sb", [("mk,nk->mn", (7, 33), (5, 33)),
+                                       ("btkgh,bksh->bkgts", (2, 3, 2, 2, 7), (2, 2, 6, 7)),
+                                       ("bkgts,bksh->btkgh", (2, 2, 2, 3, 6), (2, 2, 6, 5))])
+def test_int8_einsum_pads_contractions_exactly(eq, sa, sb):
+    """The padded-contraction einsum (a work-around for XLA on GPU) is the exact product."""
+    rng = np.random.default_rng(5)
+    a, b = _ints(rng, sa), _ints(rng, sb)
+    got = pk.reference.int8_einsum(eq, a, b)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.einsum(eq, np.asarray(a, np.int64),
+                                                 np.asarray(b, np.int64)))
+
+
 def test_reference_norms_match_numpy():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(4, 24))
@@ -120,10 +133,81 @@ def test_int8_bmm(backend):
 
 
 def test_dispatcher(monkeypatch):
-    assert pk.resolve_backend() == "xla"  # this CPU: XLA's dot_general
+    monkeypatch.delenv("JAXLLM_INT8_BACKEND", raising=False)
+    expect = {"gpu": "triton", "tpu": "tpu"}.get(jax.default_backend(), "xla")
+    assert pk.resolve_backend() == expect  # CPUs: XLA's dot_general
     assert pk.resolve_backend("tpu") == "tpu"
     monkeypatch.setenv("JAXLLM_INT8_BACKEND", "triton")
     assert pk.resolve_backend() == "triton"
     monkeypatch.setenv("JAXLLM_INT8_BACKEND", "cuda")
     with pytest.raises(ValueError, match="unknown INT8 backend 'cuda'.*JAXLLM_INT8_BACKEND"):
         pk.resolve_backend()
+
+
+# ---- compiled on a GPU (Triton lowering): `pytest -m gpu`, skipped elsewhere -------------------
+# Odd shapes (no dimension a block multiple) with the default blocks of every M regime and with
+# explicit ones, against numpy int64 (exact) and float64 (the epilogue, to float32 rounding).
+GPU_BLOCKS = [None, Blocks(16, 32, 64), Blocks(64, 64, 32, num_warps=4, num_stages=2),
+              Blocks(128, 128, 128, num_warps=8, num_stages=3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", GPU_BLOCKS, ids=lambda b: "default" if b is None else
+                         f"{b.bm}x{b.bn}x{b.bk}")
+@pytest.mark.parametrize("M", [1, 7, 37, 130, 1000])
+def test_gpu_int8_product_is_exact(M, blocks):
+    rng = np.random.default_rng(10 + M)
+    Kg, Ng = 328, 200
+    x, w = _ints(rng, (M, Kg)), _ints(rng, (Ng, Kg))
+    got = pk.w8a8_matmul(x, w, 1.0, 1.0, out_dtype=jnp.int32, backend="triton", blocks=blocks)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(x, np.int64) @ np.asarray(w, np.int64).T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 37, 300])
+def test_gpu_epilogue_matches_float64(M):
+    rng = np.random.default_rng(20 + M)
+    Kg, Ng = 264, 136
+    x, w = _ints(rng, (M, Kg)), _ints(rng, (Ng, Kg))
+    sx = jnp.asarray(rng.random(M) + 0.1, jnp.float32)
+    sw = jnp.asarray(rng.random(Ng) + 0.1, jnp.float32)
+    b = jnp.asarray(rng.normal(size=Ng), jnp.float32)
+    acc = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    want = acc * np.asarray(sx, np.float64)[:, None] * np.asarray(sw, np.float64)[None] + \
+        np.asarray(b, np.float64)[None]
+    got = pk.w8a8_matmul(x, w, sx, sw, b, out_dtype=jnp.float32, backend="triton")
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6,
+                               atol=1e-6 * np.abs(want).max())
+    got16 = pk.w8a8_matmul(x, w, sx, sw, b, out_dtype=jnp.bfloat16, backend="triton")
+    np.testing.assert_allclose(np.asarray(got16, np.float64), want, rtol=8e-3,
+                               atol=8e-3 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [None, "layernorm", "rmsnorm"])
+@pytest.mark.parametrize("M,D", [(1, 768), (37, 200), (130, 4096)])
+def test_gpu_fused_norm_quantize(norm, M, D):
+    rng = np.random.default_rng(30 + M)
+    x = jnp.asarray(rng.normal(size=(M, D)) * 3, jnp.float32)
+    g = jnp.asarray(rng.random(D) + 0.5, jnp.float32)
+    b = jnp.asarray(rng.normal(size=D), jnp.float32) if norm == "layernorm" else None
+    q, s = pk.quantize_per_token(x, g if norm else None, b, norm=norm, backend="triton")
+    qr, sr = pk.reference.quantize_per_token(x, norm, g, b)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(sr), rtol=1e-6)
+    diff = np.abs(np.asarray(q, np.int32) - np.asarray(qr, np.int32))
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.999  # a float rounding may cross a .5
+
+
+@pytest.mark.gpu
+def test_gpu_int8_bmm():
+    rng = np.random.default_rng(40)
+    B, M, Kb, Nb = 3, 37, 72, 130
+    a, b = _ints(rng, (B, M, Kb)), _ints(rng, (B, Nb, Kb))
+    sa = jnp.asarray(rng.random((B, M)), jnp.float32)
+    sb = jnp.asarray(rng.random((B, Nb)), jnp.float32)
+    got = pk.int8_bmm(a, b, sa, sb, backend="triton")
+    acc = np.einsum("bmk,bnk->bmn", np.asarray(a, np.int64), np.asarray(b, np.int64))
+    want = acc * np.asarray(sa, np.float64)[..., None] * np.asarray(sb, np.float64)[:, None]
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6,
+                               atol=1e-6 * np.abs(want).max())

@@ -83,6 +83,38 @@ def test_sources_text_jsonl_parquet_dir(tmp_path):
 
 
 # ---- recipe --------------------------------------------------------------------------------
+def test_site_source_dedups_filters_orders_by_hash_and_records_a_manifest(tmp_path,
+                                                                          monkeypatch):
+    import hashlib
+
+    from jaxllm.corpus import builtin_corpus
+    from jaxllm.tokenizer import ByteTokenizer
+    from train import data as data_lib
+    root = tmp_path / "site-packages"
+    (root / "pkg" / "__pycache__").mkdir(parents=True)
+    (root / "pkg-1.0.dist-info").mkdir()
+    files = {"pkg/a.py": "x = 1\n", "pkg/copy_of_a.py": "x = 1\n", "pkg/README.md": "# pkg\n",
+             "pkg-1.0.dist-info/METADATA": "Name: pkg\n\nA package.\n",
+             "pkg/data.json": "{}", "pkg/__pycache__/a.py": "cached = True\n",
+             "pkg/big.txt": "y" * (data_lib.SITE_MAX_BYTES + 1)}
+    for name, text in files.items():
+        (root / name).write_text(text)
+    (root / "pkg" / "latin1.py").write_bytes(b"caf\xe9 = 1\n")  # not UTF-8: skipped
+    monkeypatch.setattr(data_lib, "_site_roots", lambda: [str(root)])
+    kept = [b"x = 1\n", b"# pkg\n", b"Name: pkg\n\nA package.\n", builtin_corpus().encode()]
+    want = sorted((hashlib.sha1(t).hexdigest(), t) for t in kept)
+    tok = ByteTokenizer()
+    tokens = tokenize("site", tok, str(tmp_path / "cache"))
+    expect = np.concatenate([np.frombuffer(t, np.uint8).astype(np.uint16).tolist() + [tok.eos_id]
+                             for _, t in want]).astype(np.uint16)
+    np.testing.assert_array_equal(tokens, expect)
+    path = data_lib.manifest_path(data_lib.token_cache_path("site", tok, str(tmp_path / "cache")))
+    manifest = json.load(open(path))
+    assert manifest["documents"] == 4 and manifest["bytes"] == sum(len(t) for t in kept)
+    assert manifest["fingerprint"] == hashlib.sha1("".join(h for h, _ in want).encode()
+                                                   ).hexdigest()
+
+
 def test_pythia_recipe_schedule_and_weight_decay_mask():
     cfg = recipe("pythia-160m")
     assert (cfg.lr, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.clip, cfg.dtype) == (
@@ -192,8 +224,29 @@ def test_stop_and_resume_reproduces_losses_exactly(uninterrupted, tmp_path):
     s = train(cfg, run, progress=False)
     assert s["finished"] and os.path.exists(os.path.join(run, "model", "config.json"))
     assert _losses(run) == uninterrupted  # bit-exact: same state, same sample order
+    # The run keeps the start of its held-out text (evaluations elsewhere need no data source).
+    from train.loop import heldout_text
+    toks = tokenize(cfg.data, __import__("jaxllm").ByteTokenizer())
+    n = (len(toks) - 1) // cfg.seq_len
+    start = (n - round(n * cfg.holdout)) * cfg.seq_len
+    np.testing.assert_array_equal(heldout_text(run, 100), toks[start:start + 100])
+    with pytest.raises(ValueError, match="fewer than"):
+        heldout_text(run, 10 ** 9)
     with pytest.raises(ValueError, match="different config .*lr"):
         train(recipe("tiny", TINY + ["lr=1e-4"]), run, progress=False)
+
+
+def test_parallel_variants_train_as_they_would_alone(uninterrupted, tmp_path):
+    """--parallel trains each variant in its own process; the vanilla one must see exactly the
+    losses of a run made alone."""
+    from train.experiments.sink_token import main as experiment
+    out = str(tmp_path / "exp")
+    assert experiment(["--preset", "tiny", "--out", out, "--parallel", "--train-only"]
+                      + [x for o in TINY for x in ("--set", o)]) == 0
+    assert _losses(os.path.join(out, "none")) == uninterrupted
+    for v in ("zero", "learnable"):
+        cfg = json.load(open(os.path.join(out, v, "model", "config.json")))
+        assert cfg["model"]["sink"] == v and len(_losses(os.path.join(out, v))) == 12
 
 
 def test_killed_run_resumes_exactly(uninterrupted, tmp_path):

@@ -136,6 +136,17 @@ RECIPES: dict[str, TrainConfig] = {
                                                        max_seq_len=256),
                             seq_len=256, batch_size=16, steps=1200, lr=2e-3, data="stdlib",
                             dtype="float32", ckpt_every=100, log_every=10, sink_eval_every=200),
+    # One GPU: the scale at which attention sinks are probed (the sink-emergence issue). A
+    # ~6.4M-parameter byte-level GPT-NeoX (8 layers, hidden 256, 4 heads of 64, rotary on 25%)
+    # on 512-byte samples of the `site` corpus; 32K tokens per step, many steps (sinks follow
+    # optimisation steps as much as tokens, REFERENCE §2). `steps` is set per run by the
+    # device time at hand (docs/RESULTS.md records the value used).
+    "gpu-6m": TrainConfig(model=ModelConfig.gpt_neox(vocab_size=BYTE_VOCAB, hidden_size=256,
+                                                     num_layers=8, num_heads=4,
+                                                     max_seq_len=512),
+                          seq_len=512, batch_size=64, steps=8000, lr=2e-3, warmup_frac=0.02,
+                          data="site", dtype="bfloat16", ckpt_every=1000, log_every=100,
+                          sink_eval_every=1000),
     # Seconds per run: tests and smoke checks.
     "tiny": TrainConfig(model=_TINY, seq_len=128, batch_size=8, steps=200, lr=3e-3,
                         dtype="float32", ckpt_every=100),

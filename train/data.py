@@ -6,6 +6,13 @@ Sources (``TrainConfig.data``):
 * ``stdlib``: every ``.py`` file of the running Python's standard library (~30 MB), sorted by
   path, then the embedded corpus: a corpus large enough not to be memorised by a small model,
   present on every machine.
+* ``site``: the source and documentation text of everything installed for the running Python
+  (the standard library and every site-packages directory: ``.py``/``.pyi``/``.rst``/``.md``/
+  ``.txt`` files and the packages' ``METADATA`` READMEs, each under 1 MB and valid UTF-8) plus the
+  embedded corpus, deduplicated by content and ordered by content hash, so packages are mixed and
+  the held-out tail is a random sample of whole documents. Hundreds of MB where a machine has a
+  scientific stack installed; its size and fingerprint are recorded with the run
+  (``site_manifest``), since they depend on what the machine has installed.
 * a ``.txt`` / ``.jsonl`` (``"text"`` field) / ``.parquet`` (``text`` column) file, or a
   directory of them (sorted, recursive).
 * ``hf:NAME[:CONFIG]:SPLIT``: a Hugging Face ``datasets`` dataset's ``text`` column (streamed;
@@ -24,9 +31,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from jaxllm.tokenizer import Tokenizer
+from jaxllm.tokenizer import ByteTokenizer, Tokenizer
 
-SOURCES = "builtin | stdlib | FILE.txt|.jsonl|.parquet | DIRECTORY | hf:NAME[:CONFIG]:SPLIT"
+SOURCES = "builtin | stdlib | site | FILE.txt|.jsonl|.parquet | DIRECTORY | hf:NAME[:CONFIG]:SPLIT"
 
 
 def _stdlib_files() -> list[str]:
@@ -36,6 +43,62 @@ def _stdlib_files() -> list[str]:
         dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "__pycache__"))
         out.extend(os.path.join(d, f) for f in sorted(files) if f.endswith(".py"))
     return out
+
+
+SITE_SUFFIXES = (".py", ".pyi", ".rst", ".md", ".txt")
+SITE_MAX_BYTES = 1 << 20  # larger files are generated tables and vendored blobs, not prose/code
+
+
+def _site_roots() -> list[str]:
+    """The standard library and every site-packages directory of the running Python."""
+    import site
+    roots = [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")]
+    try:
+        roots += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # some virtualenv shims lack getsitepackages
+        pass
+    roots = sorted({os.path.realpath(r) for r in roots if os.path.isdir(r)})
+    # A root inside another (a venv's site-packages under its stdlib) is walked with it.
+    return [r for r in roots if not any(r.startswith(o + os.sep) for o in roots)]
+
+
+def _site_documents() -> list[tuple[str, bytes]]:
+    """(sha1, utf-8 bytes) of every distinct site document, sorted by hash."""
+    from jaxllm.corpus import builtin_corpus
+    docs = {}
+    for root in _site_roots():
+        for d, dirs, files in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x not in ("__pycache__", "node_modules"))
+            meta = d.endswith(".dist-info")
+            for f in sorted(files):
+                if not (f.endswith(SITE_SUFFIXES) or (meta and f == "METADATA")):
+                    continue
+                path = os.path.join(d, f)
+                try:
+                    if os.path.getsize(path) > SITE_MAX_BYTES:
+                        continue
+                    with open(path, "rb") as fh:
+                        raw = fh.read()
+                    raw.decode("utf-8")  # binary or legacy-encoded files are skipped
+                except (OSError, UnicodeDecodeError):
+                    continue
+                if raw.strip():
+                    docs[hashlib.sha1(raw).hexdigest()] = raw
+    raw = builtin_corpus().encode("utf-8")
+    docs[hashlib.sha1(raw).hexdigest()] = raw
+    return sorted(docs.items())
+
+
+def _manifest(docs: list[tuple[str, bytes]]) -> dict:
+    """What ``site`` held: documents, bytes and a fingerprint of their hashes (two machines with
+    the same fingerprint train on the same text)."""
+    h = hashlib.sha1("".join(k for k, _ in docs).encode()).hexdigest()
+    return {"source": "site", "documents": len(docs), "bytes": sum(len(v) for _, v in docs),
+            "fingerprint": h, "roots": _site_roots()}
+
+
+def manifest_path(tokens_path: str) -> str:
+    return tokens_path[:-len(".npy")] + ".json"
 
 
 def _read_file(path: str) -> Iterator[str]:
@@ -70,6 +133,9 @@ def iter_texts(source: str) -> Iterator[str]:
             with open(path, encoding="utf-8", errors="replace") as f:
                 yield f.read()
         yield builtin_corpus()
+    elif source == "site":
+        for _, raw in _site_documents():
+            yield raw.decode("utf-8")  # valid: _site_documents checked it
     elif source.startswith("hf:"):
         parts = source[3:].split(":")
         if len(parts) not in (2, 3):
@@ -94,6 +160,14 @@ def iter_texts(source: str) -> Iterator[str]:
                          f"{SOURCES}")
 
 
+def token_cache_path(source: str, tok: Tokenizer, cache_dir: str) -> str:
+    """Where ``tokenize`` keeps a source's tokens (keyed by source and tokenizer); a ``site``
+    source's manifest lies beside it (``manifest_path``)."""
+    key = hashlib.sha1(f"{os.path.abspath(source) if os.path.exists(source) else source}|"
+                       f"{getattr(tok, 'name', type(tok).__name__)}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, f"tokens-{key}.npy")
+
+
 def tokenize(source: str, tok: Tokenizer, cache_dir: Optional[str] = None,
              progress: bool = False) -> np.ndarray:
     """The whole source as one token array (uint16 when the vocabulary fits), EOS between
@@ -102,17 +176,26 @@ def tokenize(source: str, tok: Tokenizer, cache_dir: Optional[str] = None,
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.int32
     path = None
     if cache_dir:
-        key = hashlib.sha1(f"{os.path.abspath(source) if os.path.exists(source) else source}|"
-                           f"{getattr(tok, 'name', type(tok).__name__)}".encode()).hexdigest()[:16]
-        path = os.path.join(cache_dir, f"tokens-{key}.npy")
+        path = token_cache_path(source, tok, cache_dir)
         if os.path.exists(path):
             return np.load(path, mmap_mode="r")
     from tqdm.auto import tqdm
     parts = []
     eos = [] if tok.eos_id is None else [tok.eos_id]
-    for text in tqdm(iter_texts(source), desc=f"tokenize {source}", unit="doc",
-                     disable=not progress):
-        parts.append(np.asarray(tok.encode(text) + eos, dtype))
+    # Bytes need no Python list per document (hundreds of MB for ``site``).
+    if isinstance(tok, ByteTokenizer):
+        encode = lambda t: np.frombuffer(t.encode("utf-8"), np.uint8)  # noqa: E731
+    else:
+        encode = tok.encode
+    manifest = None
+    if source == "site":  # read once: the manifest and the text come from the same pass
+        docs = _site_documents()
+        manifest = _manifest(docs)
+        texts = (raw.decode("utf-8") for _, raw in docs)
+    else:
+        texts = iter_texts(source)
+    for text in tqdm(texts, desc=f"tokenize {source}", unit="doc", disable=not progress):
+        parts.append(np.concatenate([np.asarray(encode(text), dtype), np.asarray(eos, dtype)]))
     if not parts or sum(p.size for p in parts) < 2:
         raise ValueError(f"data source {source!r} holds no text")
     tokens = np.concatenate(parts)
@@ -120,6 +203,9 @@ def tokenize(source: str, tok: Tokenizer, cache_dir: Optional[str] = None,
         os.makedirs(cache_dir, exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}.npy"
         np.save(tmp, tokens)
+        if manifest:
+            with open(manifest_path(path), "w") as f:
+                json.dump(manifest, f, indent=1)
         os.replace(tmp, path)  # a reader never sees half an array
     return tokens
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Optional
 
@@ -53,6 +54,38 @@ def _truncate_metrics(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+HELDOUT_FILE, MANIFEST_FILE = "heldout.npy", "data_manifest.json"
+HELDOUT_KEEP = 1 << 18  # tokens of held-out text saved with the run (512 KB as uint16)
+
+
+def _record_data(out: str, data: data_lib.PackedData, tokens_path: str) -> None:
+    """Keep what an evaluation needs with the run: the start of the held-out stream (a source
+    such as ``site`` differs between machines, so it cannot be rebuilt elsewhere) and, where the
+    source has one, its manifest (document count, bytes, fingerprint)."""
+    path = os.path.join(out, HELDOUT_FILE)
+    if data.n_heldout and not os.path.exists(path):
+        start = data.n_train * data.L
+        held = np.asarray(data.tokens[start:start + HELDOUT_KEEP])
+        np.save(path + ".tmp.npy", held)
+        os.replace(path + ".tmp.npy", path)
+    manifest = data_lib.manifest_path(tokens_path)
+    if os.path.exists(manifest):
+        shutil.copyfile(manifest, os.path.join(out, MANIFEST_FILE))
+
+
+def heldout_text(run: str, n_tokens: int) -> np.ndarray:
+    """The first ``n_tokens`` of a run's held-out stream, as saved by its training."""
+    path = os.path.join(run, HELDOUT_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: runs save their held-out text when they "
+                                f"start (rerun the training command to resume and write it)")
+    held = np.load(path)
+    if len(held) < n_tokens:
+        raise ValueError(f"{run} saved {len(held)} held-out tokens, fewer than the {n_tokens} "
+                         f"asked for; ask for fewer")
+    return np.asarray(held[:n_tokens], np.int32)
+
+
 def sink_probe(params, cfg: TrainConfig, text: np.ndarray) -> dict:
     """How sink-like the model is now: the sink metric over the first tokens of held-out
     samples, and window (0+W) vs StreamingLLM (4+W-4) perplexity past the first eviction."""
@@ -94,9 +127,11 @@ def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True
     if tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} ids but the model's "
                          f"vocab_size is {cfg.model.vocab_size}; set model.vocab_size")
-    tokens = data_lib.tokenize(cfg.data, tok, cache_dir or os.path.join(out, "..", ".token_cache"),
-                               progress and is_main)
+    cache_dir = cache_dir or os.path.join(out, "..", ".token_cache")
+    tokens = data_lib.tokenize(cfg.data, tok, cache_dir, progress and is_main)
     data = data_lib.PackedData(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.holdout)
+    if is_main:
+        _record_data(out, data, data_lib.token_cache_path(cfg.data, tok, cache_dir))
 
     # The state's shardings: parameters by the logical-axes table, optimizer moments likewise
     # (they mirror the parameters), scalars replicated.

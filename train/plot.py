@@ -40,3 +40,33 @@ def plot_loss_curves(runs: dict, path: str, title: str = "training loss") -> Non
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_probes(runs: dict, path: str, title: str = "sink probes") -> None:
+    """``runs``: label -> run directory with ``sink_eval_every`` probes. Left: the sink metric
+    (share of heads whose mean attention to token 0 exceeds 0.3) against training tokens; right:
+    window (0+W) over StreamingLLM (4+W-4) perplexity on held-out text — above 1 once the model
+    leans on its first tokens."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, run in runs.items():
+        probes = [r for r in read_metrics(run) if "probe" in r]
+        if not probes:
+            raise ValueError(f"{run} logged no sink probes (train with --set sink_eval_every=N)")
+        tokens = np.array([r["tokens"] for r in probes]) / 1e6
+        a1.plot(tokens, [r["probe"]["sink_metric"] for r in probes], marker="o", label=label)
+        a2.plot(tokens, [r["probe"]["ppl_window"] / r["probe"]["ppl_streaming"] for r in probes],
+                marker="o", label=label)
+    a1.set_ylabel("sink metric (token 0, ε = 0.3)")
+    a2.set_ylabel("window ppl / StreamingLLM ppl")
+    a2.axhline(1.0, color="gray", lw=0.8, ls=":")
+    for a in (a1, a2):
+        a.set_xlabel("training tokens (millions)")
+        a.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -32,20 +32,16 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
     from jaxllm.evals.attention import attention_maps, plot_maps, sink_metric
     from jaxllm.io import load_model
     from jaxllm.ppl import PplConfig, stream_score
-    from jaxllm.tokenizer import load_tokenizer
 
-    from train import data as data_lib
     from train.config import TrainConfig
+    from train.loop import heldout_text
     results = {"window": window, "eval_tokens": eval_tokens, "variants": {}}
     for v in VARIANTS:
         run = os.path.join(out, v)
         with open(os.path.join(run, "train_config.json")) as f:
             tc = TrainConfig.from_dict(json.load(f))
         cfg, params, _ = load_model(os.path.join(run, "model"))
-        tokens = data_lib.tokenize(tc.data, load_tokenizer(tc.tokenizer),
-                                   os.path.join(out, ".token_cache"))
-        data = data_lib.PackedData(tokens, tc.seq_len, tc.batch_size, tc.seed, tc.holdout)
-        text = data.heldout(eval_tokens)
+        text = heldout_text(run, eval_tokens)
         row = {}
         for s in (0, 1, 2, 4):
             pc = PplConfig("window" if s == 0 else "streaming", s, window)
@@ -55,7 +51,7 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
                            desc=f"{v} recompute")[0]
         row["recompute 4+"] = float(np.exp(nll.astype(np.float64).mean()))
         L = tc.seq_len
-        maps = attention_maps(params, cfg, data.heldout(8 * L).reshape(8, L))
+        maps = attention_maps(params, cfg, heldout_text(run, 8 * L).reshape(8, L))
         plot_maps(maps, os.path.join(out, f"attention_{v}.png"),
                   f"{v}-sink model: head-averaged attention, first 16 tokens")
         metrics = [json.loads(ln) for ln in open(os.path.join(run, "metrics.jsonl"))]
@@ -64,6 +60,64 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
                                   "probes": [{"step": m["step"], **m["probe"]} for m in metrics
                                              if "probe" in m]}
     return results
+
+
+def train_parallel(base, out: str, child_args: list[str], poll_s: float = 30.0) -> dict:
+    """Train every variant in its own process at once, sharing the accelerator: each gets an
+    equal share of device memory (unless XLA_PYTHON_CLIENT_MEM_FRACTION is set) and logs to
+    OUT/VARIANT/train.log; a status line per variant is printed every ``poll_s`` seconds.
+    Returns each variant's wall-clock seconds; raises if any variant fails."""
+    import subprocess
+
+    from jaxllm.tokenizer import load_tokenizer
+    from train import data as data_lib
+    # Tokenize once here, so the children memory-map one cache instead of each building it.
+    data_lib.tokenize(base.data, load_tokenizer(base.tokenizer), os.path.join(out, ".token_cache"),
+                      progress=True)
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / len(VARIANTS):.2f}")
+    procs, logs, t0, times = {}, {}, time.perf_counter(), {}
+    for v in VARIANTS:
+        os.makedirs(os.path.join(out, v), exist_ok=True)
+        logs[v] = open(os.path.join(out, v, "train.log"), "a")
+        procs[v] = subprocess.Popen(
+            [sys.executable, "-m", "train.experiments.sink_token", *child_args, "--variant", v],
+            stdout=logs[v], stderr=subprocess.STDOUT, env=env)
+    print(f"== training {', '.join(VARIANTS)} at once into {out}/VARIANT (logs: train.log)")
+    try:
+        last_print = time.perf_counter()
+        while procs:
+            time.sleep(1.0)
+            for v, p in list(procs.items()):
+                if p.poll() is not None:
+                    times[v] = time.perf_counter() - t0
+                    del procs[v]
+                    if p.returncode:
+                        raise RuntimeError(f"training the {v} variant failed (exit {p.returncode});"
+                                           f" see {os.path.join(out, v, 'train.log')}")
+            if time.perf_counter() - last_print >= poll_s or not procs:
+                last_print = time.perf_counter()
+                print(f"[{last_print - t0:6.0f} s] " + " | ".join(
+                    f"{v}: {_status(os.path.join(out, v))}" for v in VARIANTS), flush=True)
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for f in logs.values():
+            f.close()
+    return times
+
+
+def _status(run: str) -> str:
+    """The latest logged step of a run, in a few words."""
+    try:
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            logged = [json.loads(ln) for ln in f if ln.strip()]
+        last = logged[-1]
+    except (OSError, IndexError, ValueError):
+        return "starting"
+    probe = next((m["probe"] for m in reversed(logged) if "probe" in m), {})
+    sink = f" sink {probe['sink_metric']:.2f}" if probe else ""
+    return f"step {last['step']} loss {last['loss']:.3f} {last['tokens_per_s']:,.0f} tok/s{sink}"
 
 
 def table(results: dict) -> str:
@@ -118,17 +172,34 @@ def main(argv=None) -> int:
     ap.add_argument("--ship", metavar="DIR", default=None,
                     help="copy the vanilla and learnable-sink models to DIR/vanilla and "
                          "DIR/learnable-sink (how jaxllm/models is made)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="train the three variants at once, one process each, sharing the "
+                         "accelerator (a small model alone leaves most of a GPU idle)")
+    ap.add_argument("--train-only", action="store_true",
+                    help="train (or resume) the variants, then stop without evaluating")
+    ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # --parallel's child
     a = ap.parse_args(argv)
     out = a.out or os.path.join("runs", f"sink_{a.preset}")
     base = recipe(a.preset, a.set)
+    cache_dir = os.path.join(out, ".token_cache")
+    if a.variant:  # one variant, quietly: the parent reports progress
+        train(dataclasses.replace(base, sink=a.variant), os.path.join(out, a.variant),
+              progress=False, cache_dir=cache_dir)
+        return 0
     times = {}
     if not a.eval_only:
-        for v in VARIANTS:
-            t0 = time.perf_counter()
-            print(f"== training {v}-sink ({a.preset}) into {os.path.join(out, v)}")
-            train(dataclasses.replace(base, sink=v), os.path.join(out, v),
-                  cache_dir=os.path.join(out, ".token_cache"))
-            times[v] = time.perf_counter() - t0
+        if a.parallel:
+            child = ["--preset", a.preset, "--out", out] + [x for o in a.set for x in ("--set", o)]
+            times = train_parallel(base, out, child)
+        else:
+            for v in VARIANTS:
+                t0 = time.perf_counter()
+                print(f"== training {v}-sink ({a.preset}) into {os.path.join(out, v)}")
+                train(dataclasses.replace(base, sink=v), os.path.join(out, v),
+                      cache_dir=cache_dir)
+                times[v] = time.perf_counter() - t0
+    if a.train_only:
+        return 0
     W = a.window or base.seq_len // 2
     results = evaluate(out, W, a.eval_tokens or 8 * base.seq_len)
     old = os.path.join(out, "results.json")

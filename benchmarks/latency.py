@@ -21,7 +21,8 @@ from _record import record  # noqa: E402
 OUT = os.path.join(os.path.dirname(__file__), "..", "bench_out")
 
 
-def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int) -> list[dict]:
+def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int,
+            dtype: str = "float32") -> list[dict]:
     """ms per decoded token with L slots for the three methods, their rounds interleaved (this
     host is shared: whatever slows one round slows the others' neighbouring rounds too), each
     method's best round reported; and the memory one step needs (XLA's accounting of the
@@ -32,6 +33,11 @@ def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int)
     import jaxllm
     from jaxllm.model import _forward
     cfg, params, _ = jaxllm.load_model(model)
+    if dtype == "bfloat16":  # weights, compute and KV cache in bfloat16
+        import dataclasses
+        cfg = dataclasses.replace(cfg, dtype="bfloat16")
+        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    cache_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     tok, lens = jnp.ones((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
     step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
     recompute = jax.jit(lambda p, w: _forward(p, cfg, w, None, None)[0][:, -1])
@@ -45,8 +51,10 @@ def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int)
 
     # streaming: a full 4 + (L - 4) ring, as after a long stream; dense: filled so that the
     # warm-up and every round decode within its L slots.
-    state = {"streaming": filled(jaxllm.init_cache(cfg, 1, sinks=4, window=L - 4), L),
-             "dense": filled(jaxllm.init_cache(cfg, 1, sinks=0, window=L, evict=False),
+    state = {"streaming": filled(jaxllm.init_cache(cfg, 1, sinks=4, window=L - 4,
+                                                   dtype=cache_dtype), L),
+             "dense": filled(jaxllm.init_cache(cfg, 1, sinks=0, window=L, evict=False,
+                                               dtype=cache_dtype),
                              L - (rounds + 1) * tokens - 1),
              "recompute": None}
     memory = {m: step.lower(params, tokens=tok, cache=state[m], lens=lens).compile()
@@ -109,17 +117,21 @@ def main():
                     help="decode steps per timed round (cached methods)")
     ap.add_argument("--recompute-tokens", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds; the best is reported")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights, compute and KV cache")
     ap.add_argument("--one", type=int, metavar="L", help=argparse.SUPPRESS)
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(measure(a.model, a.one, a.tokens, a.recompute_tokens, a.rounds)))
+        print(json.dumps(measure(a.model, a.one, a.tokens, a.recompute_tokens, a.rounds,
+                                 a.dtype)))
         return
     rows = []
     for L in [int(x) for x in a.sizes.split(",")]:  # a fresh process per cache size
         out = subprocess.run([sys.executable, __file__, "--model", a.model, "--tokens",
                               str(a.tokens), "--recompute-tokens", str(a.recompute_tokens),
-                              "--rounds", str(a.rounds), "--one", str(L)], check=True,
+                              "--rounds", str(a.rounds), "--dtype", a.dtype, "--one", str(L)],
+                             check=True,
                              capture_output=True, text=True).stdout
         rows.extend(json.loads(out.strip().splitlines()[-1]))
         for r in rows[-3:]:
@@ -139,7 +151,7 @@ def main():
     speed = by["recompute", top]["ms_per_token"] / by["streaming", top]["ms_per_token"]
     vs_dense = by["streaming", top]["ms_per_token"] / by["dense", top]["ms_per_token"]
     med = by["streaming", top]["ms_per_token_median"] / by["dense", top]["ms_per_token_median"]
-    notes = (f"Model {a.model}, batch 1. ms/token: the best of {a.rounds} rounds of {a.tokens} "
+    notes = (f"Model {a.model}, {a.dtype}, batch 1. ms/token: the best of {a.rounds} rounds of {a.tokens} "
              f"steps ({a.recompute_tokens} for recompute), the three methods' rounds interleaved "
              f"in one process per cache size (medians in bench_out/latency.json). Step memory: "
              f"XLA's accounting of the compiled step (weights + KV cache + scratch). At cache "

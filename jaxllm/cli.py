@@ -35,7 +35,7 @@ def read_text(path: str) -> str:
 
 MODEL_HELP = ("jaxllm model directory, Hugging Face model directory (converted on the fly), "
               "embedded / embedded-sink (the models shipped in the package) or "
-              "random:PRESET[:SEED] (default %(default)s)")
+              "random:PRESET[:SEED]")
 
 
 def _load(model: str, need_tokenizer: bool = True):
@@ -73,8 +73,18 @@ def _check_streamable(cfg, pc) -> None:
                        f"--method dense or recompute (with --cache <= {cfg.max_seq_len})")
 
 
+def _make_parent(path: str) -> None:
+    """Create the directory ``path`` will be written into (before any work, so a finished
+    computation never dies on a missing folder); a clear error when it cannot be made."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"cannot create the output directory {parent}: {e.strerror}") from None
+
+
 def _write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    _make_parent(path)
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
     print(f"wrote {path}")
@@ -85,6 +95,9 @@ def cmd_ppl(a) -> None:
     from .ppl import plot_nll, run_ppl
     pc = _ppl_config(a)
     text = read_text(a.text) if a.text else builtin_corpus()
+    for path in (a.json, a.plot):
+        if path:
+            _make_parent(path)
     cfg, params, tok = _load(a.model)
     _check_streamable(cfg, pc)
     ids = tok.encode(text)
@@ -103,14 +116,13 @@ def cmd_ppl(a) -> None:
     if a.json:
         _write_json(a.json, summary)
     if a.plot:
-        os.makedirs(os.path.dirname(os.path.abspath(a.plot)), exist_ok=True)
         plot_nll(nll, a.plot, f"{a.model} · {line.split(':')[0]} · ppl {summary['ppl']:.2f}")
         print(f"wrote {a.plot}")
 
 
 def cmd_demo(a) -> None:
     from .corpus import builtin_corpus
-    from .demo import DemoConfig, format_table, run_demo
+    from .demo import DemoConfig, explain, format_table, run_demo
     models = {}
     for spec in a.model or ["vanilla=embedded", "learnable-sink=embedded-sink"]:
         label, sep, path = spec.partition("=")
@@ -126,6 +138,7 @@ def cmd_demo(a) -> None:
     # The stream is the corpus' first tokens; INT8 calibrates on its second half.
     res = run_demo(models, ids[:dc.tokens], ids[len(ids) // 2:], dc, a.out)
     print(format_table(res))
+    print("\n" + explain(res))
     for label, text in res["generations"].items():
         print(f"\n[{label}, StreamingLLM {dc.sinks}+{64 - dc.sinks}] >>> {dc.prompt}{text}")
     print(f"\nwrote {a.out}/demo.json and {a.out}/demo.png")
@@ -160,7 +173,8 @@ def cmd_generate(a) -> None:
             raise CliError(str(e)) from None
         cache = res.cache
         n = int(res.num_tokens[0])
-        print(f">>> {prompt}\n{tok.decode(list(res.tokens[0, :n]))}")
+        # The prompt and its continuation as one text; rounds apart by a blank line.
+        print(("\n" if i else "") + prompt + tok.decode(list(res.tokens[0, :n])), flush=True)
 
 
 def cmd_convert(a) -> None:
@@ -217,6 +231,8 @@ def cmd_quantize(a) -> None:
         q, info = quantize(params, cfg, ids, a.scheme, alpha, smooth=not a.no_smooth,
                            smooth_down=a.smooth_down, real=not a.fake, bmm=a.int8_attention,
                            per_channel=True if a.per_channel_weights else None,
+                           quantize_embedding=not a.float_embedding,
+                           quantize_head=not a.float_head,
                            calib=CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len),
                            progress=not a.quiet, return_info=True)
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok.name,
@@ -230,9 +246,7 @@ def cmd_quantize(a) -> None:
           + (f", alpha {info['alpha']}" if info["smooth"] else ", no smoothing")
           + f" ({'real int8' if not a.fake else 'fake-quant'}) -> {a.out}")
     if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(dict(info, model=a.model), f, indent=2)
+        _write_json(a.json, dict(info, model=a.model))
 
 
 def _float(s: str, flag: str) -> float:
@@ -247,12 +261,13 @@ def cmd_eval(a) -> None:
     from .evals import attention as att
     from .evals import passkey, streameval
     from .evals.common import score_task
+    # The output directory first: a finished evaluation must never die on a missing folder.
+    _make_parent(a.out)
     cfg, params, tok = _load(a.model)
     result = {"model": a.model, "task": a.task}
     if a.task == "outliers":
         from .corpus import builtin_corpus
         from .smoothquant import CalibConfig, outlier_report, plot_outliers
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         try:
             rep = outlier_report(params, cfg, tok.encode(builtin_corpus()), a.layer,
                                  None if a.alpha is None else _float(a.alpha, "--alpha"),
@@ -331,8 +346,18 @@ def cmd_eval(a) -> None:
     _write_json(a.out + ".json", result)
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose help shows every option's default (subcommands inherit it)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxllm", description=__doc__)
+    p = Parser(prog="jaxllm", description="The jaxllm command line: streaming perplexity, "
+               "generation, SmoothQuant, evaluations and conversion (a thin layer over the "
+               "Python API).")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     q = sub.add_parser("ppl", help="streaming perplexity of a text through a cache policy")
@@ -340,11 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = q.add_mutually_exclusive_group()
     src.add_argument("--text", help="UTF-8 text file to score")
     src.add_argument("--corpus", choices=["builtin"], default="builtin",
-                     help="the embedded corpus (Python's own documentation; default)")
+                     help="score the embedded corpus (Python's own documentation) when no "
+                          "--text is given")
     q.add_argument("--method", default="streaming",
-                   help="dense | window | recompute | streaming (default %(default)s)")
+                   help="cache policy: dense | window | recompute | streaming")
     q.add_argument("--sinks", type=int, default=None,
-                   help="sink tokens kept (default 4 for streaming, 0 otherwise)")
+                   help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
     q.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
     q.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
     q.add_argument("--max-tokens", type=int, default=0, help="score at most N tokens (0 = all)")
@@ -358,23 +384,29 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", action="append", default=None,
                    help="LABEL=MODEL or MODEL, repeatable (default: vanilla=embedded and "
                         "sink=embedded-sink)")
-    d.add_argument("--tokens", type=int, default=4096, help="stream length (default %(default)s)")
-    d.add_argument("--cache", type=int, default=128, help="sinks + window (default %(default)s)")
-    d.add_argument("--sinks", type=int, default=4)
+    d.add_argument("--tokens", type=int, default=4096, help="stream length")
+    d.add_argument("--cache", type=int, default=128, help="sinks + window")
+    d.add_argument("--sinks", type=int, default=4,
+                   help="sink tokens of the StreamingLLM and recompute rows")
     d.add_argument("--no-int8", action="store_true", help="skip the SmoothQuant INT8 row")
-    d.add_argument("--out", default="demo_out")
+    d.add_argument("--out", default="demo_out",
+                   help="directory for demo.json and demo.png")
     d.set_defaults(fn=cmd_demo)
 
     g = sub.add_parser("generate", help="generate text; several --prompt are rounds of one chat")
     g.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    g.add_argument("--prompt", action="append", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--sinks", type=int, default=4)
-    g.add_argument("--cache", type=int, default=1024)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt", action="append", required=True,
+                   help="text to continue; repeat for several rounds sharing one cache")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy decoding")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens only (0: no limit)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens with this much probability")
+    g.add_argument("--sinks", type=int, default=4, help="sink tokens kept in the cache")
+    g.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("convert", help="convert a Hugging Face model directory to jaxllm")
@@ -383,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--format", choices=["orbax", "safetensors"], default="orbax",
                    help="orbax (restorable into a sharding; default) or one safetensors file")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="parameter storage dtype (default %(default)s)")
+                   help="parameter storage dtype")
     c.add_argument("--allow-pickle", action="store_true",
                    help="read pytorch_model*.bin (pickle) when no safetensors exist; only for "
                         "files you trust")
@@ -394,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     z.add_argument("--scheme", default="o1", choices=["o1", "o2", "o3", "w8"],
                    help="o1/o2/o3 as in the paper (W per-tensor; A per-token, per-tensor "
-                        "dynamic, per-tensor static), w8 weight-only (default %(default)s)")
+                        "dynamic, per-tensor static), w8 weight-only")
     z.add_argument("--alpha", default=None,
                    help="migration strength in [0, 1], or 'auto' (grid search on held-out "
                         "calibration text); default: the family's value from the paper")
@@ -405,13 +437,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-output-channel weight scales instead of the scheme's per-tensor")
     z.add_argument("--int8-attention", action="store_true",
                    help="also run the attention products QK^T and PV in INT8")
+    z.add_argument("--float-embedding", action="store_true",
+                   help="keep the embedding table in float (the SmoothQuant authors' setting; "
+                        "by default it is int8 per row)")
+    z.add_argument("--float-head", action="store_true",
+                   help="keep the output head in float (the SmoothQuant authors' setting; by "
+                        "default it is per-channel W8 with per-token activations)")
     z.add_argument("--fake", action="store_true",
                    help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
     z.add_argument("--calib-text", help="UTF-8 calibration text (default: the embedded corpus)")
     z.add_argument("--n-seqs", type=int, default=512, help="calibration sequences")
     z.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     z.add_argument("--out", required=True, help="model directory to write")
-    z.add_argument("--format", choices=["orbax", "safetensors"], default="safetensors")
+    z.add_argument("--format", choices=["orbax", "safetensors"], default="safetensors",
+                   help="how the quantized weights are stored")
     z.add_argument("--json", help="write what was chosen (alpha, search losses) here")
     z.add_argument("--quiet", action="store_true", help="no progress bars")
     z.set_defaults(fn=cmd_quantize)
@@ -426,23 +465,26 @@ def build_parser() -> argparse.ArgumentParser:
         t = evs.add_parser(name, help=hlp)
         t.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
         t.add_argument("--out", default=f"eval_out/{name}",
-                       help="writes OUT.json and OUT.png (default %(default)s)")
-        t.add_argument("--seed", type=int, default=0)
+                       help="writes OUT.json and OUT.png")
+        t.add_argument("--seed", type=int, default=0,
+                       help="random seed (task content, sampled sequences)")
         t.add_argument("--quiet", action="store_true", help="no progress output")
         if name == "outliers":
             t.add_argument("--layer", default=None,
                            help="linear layer, e.g. layer_0/attn/q (the default)")
             t.add_argument("--alpha", default=None, help="migration strength (family default)")
             t.add_argument("--n-seqs", type=int, default=16, help="calibration sequences")
-            t.add_argument("--seq-len", type=int, default=256)
+            t.add_argument("--seq-len", type=int, default=256,
+                           help="tokens per calibration sequence")
         elif name == "sinks":
             t.add_argument("--n", type=int, default=16, help="sequences averaged")
-            t.add_argument("--seq-len", type=int, default=256)
+            t.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
             t.add_argument("--eps", type=float, default=0.3, help="sink threshold")
         else:
             t.add_argument("--method", default="streaming",
-                           help="dense | window | recompute | streaming (default %(default)s)")
-            t.add_argument("--sinks", type=int, default=None)
+                           help="cache policy: dense | window | recompute | streaming")
+            t.add_argument("--sinks", type=int, default=None,
+                           help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
             t.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
             t.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
         if name == "streameval":
@@ -461,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
         t.set_defaults(fn=cmd_eval)
 
     e = sub.add_parser("export-hf", help="write a GPT-NeoX/Llama/Mistral model in HF format")
-    e.add_argument("--model", required=True, help=MODEL_HELP.replace(" (default %(default)s)", ""))
+    e.add_argument("--model", required=True, help=MODEL_HELP)
     e.add_argument("--out", required=True, help="directory to write (config.json + safetensors)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(fn=cmd_export_hf)

@@ -128,18 +128,23 @@ def test_attention_maps_match_transformers():
     np.testing.assert_allclose(att.attention_maps(params, cfg, seqs, batch=2), want, atol=1e-5)
 
 
-def test_cli_evals_write_json_next_to_plot(tmp_path):
+def test_cli_evals_write_json_next_to_plot(tmp_path, monkeypatch):
+    """Every eval task with its default --out, in an empty working directory (eval_out/ does
+    not exist yet: each task must create it before it writes)."""
     from jaxllm.cli import main
+    monkeypatch.chdir(tmp_path)
     for args in (["streameval", "--lines", "40", "--cache", "128"],
                  ["passkey", "--lengths", "200", "--depths", "0,1", "--trials", "1",
                   "--cache", "128", "--method", "recompute"],
-                 ["sinks", "--n", "2", "--seq-len", "32"]):
-        out = str(tmp_path / args[0])
-        assert main(["eval", *args, "--model", "random:pythia-tiny", "--out", out,
-                     "--quiet"]) == 0
-        res = json.loads(open(out + ".json").read())
-        assert res["task"] == args[0] and open(out + ".png", "rb").read(4) == b"\x89PNG"
-    assert res["per_layer"] and 0 <= res["overall"] <= 1
+                 ["sinks", "--n", "2", "--seq-len", "32"],
+                 ["qa", "--repeat", "1", "--cache", "64"],
+                 ["outliers", "--n-seqs", "2", "--seq-len", "32"]):
+        assert main(["eval", *args, "--model", "random:pythia-tiny", "--quiet"]) == 0
+        out = tmp_path / "eval_out" / args[0]
+        res = json.loads(open(f"{out}.json").read())
+        assert res["task"] == args[0] and open(f"{out}.png", "rb").read(4) == b"\x89PNG"
+        if args[0] == "sinks":
+            assert res["per_layer"] and 0 <= res["overall"] <= 1
 
 
 def test_qa_stream_and_jsonl(tmp_path):
@@ -189,13 +194,22 @@ def test_outliers_report_follows_eq4(tmp_path):
                  "--out", out]) == 2  # o reads the attention output: not a smoothed linear
 
 
-def test_demo_command(tmp_path):
+def test_demo_command(tmp_path, capsys):
     out = str(tmp_path / "demo")
     assert main(["demo", "--model", "a=random:pythia-tiny", "--tokens", "300", "--cache", "32",
                  "--sinks", "2", "--no-int8", "--out", out]) == 0
+    printed = capsys.readouterr().out
     r = json.load(open(os.path.join(out, "demo.json")))
     methods = [row["method"] for row in r["rows"]]
     assert methods == ["dense", "window 0+32", "StreamingLLM 2+30", "recompute 2+30"]
+    # The plotted curves are in the JSON, and the printed lines say what the numbers are.
+    assert sorted(r["curves"]) == sorted(f"a: {m}" for m in methods)
+    assert all(len(c) == 299 for c in r["curves"].values())
+    np.testing.assert_allclose([np.exp(np.mean(r["curves"][f"a: {row['method']}"]))
+                                for row in r["rows"]], [row["ppl"] for row in r["rows"]],
+                               rtol=1e-3)
+    assert "perplexity per byte" in printed and "peak RSS" not in printed
+    assert f"{r['training_context']['a']}-byte training context" in printed
     kv = {row["method"]: row["kv_mib"] for row in r["rows"]}
     assert kv["dense"] > 9 * kv["StreamingLLM 2+30"]  # 301 slots vs 32
     assert all(np.isfinite(row["ppl"]) and row["tokens_per_s"] > 0 for row in r["rows"])

@@ -101,10 +101,21 @@ def test_cli_bad_input(tmp_path, capsys, content, args, msg):
 
 
 def test_cli_generate_rounds(capsys):
+    """Each round prints its prompt and continuation as one text (no break between them), the
+    continuation being what the API generates for the same rounds."""
     assert main(["generate", "--prompt", "Hello", "--prompt", "again", "--max-new-tokens", "5",
                  "--cache", "16", "--sinks", "2"]) == 0
     out = capsys.readouterr().out
-    assert ">>> Hello" in out and ">>> again" in out
+    cfg, params, tok = jaxllm.load_model("embedded")
+    cache = jaxllm.init_cache(cfg, 1, sinks=2, window=14)
+    want, key = [], jax.random.key(0)
+    for prompt in ("Hello", "again"):
+        key, sub = jax.random.split(key)
+        res = jaxllm.generate(params, cfg, np.asarray([tok.encode(prompt)]), cache,
+                              jaxllm.SamplingConfig(max_new_tokens=5, eos_id=tok.eos_id), sub)
+        cache = res.cache
+        want.append(prompt + tok.decode(list(res.tokens[0, :int(res.num_tokens[0])])))
+    assert out == want[0] + "\n\n" + want[1] + "\n"
 
 
 def test_hf_tokenizer_from_local_directory(tmp_path):
@@ -121,3 +132,34 @@ def test_hf_tokenizer_from_local_directory(tmp_path):
     assert tok.eos_id == 1 and tok.decode([2, 5]) == "the sinks"
     with pytest.raises(ValueError, match="unknown tokenizer"):
         jaxllm.load_tokenizer(str(tmp_path / "missing"))
+
+
+def _parsers(parser):
+    """A parser and every subcommand parser under it."""
+    import argparse
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_has_help_and_its_default():
+    import argparse
+
+    from jaxllm.cli import build_parser
+    from train.cli import build_parser as train_parser
+    from train.experiments.sink_token import build_parser as experiment_parser
+    for root in (build_parser(), train_parser(), experiment_parser()):
+        for parser in _parsers(root):
+            text = parser.format_help()
+            assert "``" not in text, parser.prog  # plain text, no reStructuredText
+            for action in parser._actions:
+                if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or \
+                        action.help == argparse.SUPPRESS:
+                    continue
+                assert action.help, f"{parser.prog} {action.option_strings} has no help"
+                if action.option_strings and action.default not in (None, False, []) and \
+                        not action.required:
+                    assert f"(default: {action.default})" in " ".join(text.split()), \
+                        f"{parser.prog} {action.option_strings[0]} does not show its default"

@@ -40,17 +40,25 @@ def cmd_plot(a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxllm.cli import Parser
+
     from .config import RECIPES
     from .data import SOURCES
-    ap = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    ap = Parser(prog="python -m train", description="Pre-train a model (vanilla, with a "
+                "learnable sink token or with softmax-off-by-one) and plot runs' loss curves.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train a recipe (resumes the run in --out if there is one)")
-    r.add_argument("--preset", default="tiny", choices=sorted(RECIPES))
+    r.add_argument("--preset", default="tiny", choices=sorted(RECIPES),
+                   help="training recipe (train/config.py): model, data, optimiser, steps")
     r.add_argument("--out", required=True, help="run directory")
-    r.add_argument("--sink", choices=["none", "learnable", "zero"], default=None)
-    r.add_argument("--data", default=None, help=f"training text: {SOURCES}")
-    r.add_argument("--tokenizer", default=None, help="'byte' or a local HF tokenizer directory")
-    r.add_argument("--steps", type=int, default=None)
+    r.add_argument("--sink", choices=["none", "learnable", "zero"], default=None,
+                   help="sink variant (None: the recipe's, vanilla for every preset)")
+    r.add_argument("--data", default=None,
+                   help=f"training text (None: the recipe's): {SOURCES}")
+    r.add_argument("--tokenizer", default=None,
+                   help="'byte' or a local HF tokenizer directory (None: the recipe's)")
+    r.add_argument("--steps", type=int, default=None,
+                   help="optimiser steps (None: the recipe's)")
     r.add_argument("--mesh", default="", help="device mesh, e.g. data=2,fsdp=4 (default: all "
                                               "devices on data)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -65,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("plot", help="loss curves of runs on one plot (Fig. 6)")
     p.add_argument("runs", nargs="+", help="run directories, optionally LABEL=DIR")
-    p.add_argument("--out", default="loss.png")
-    p.add_argument("--title", default="training loss")
+    p.add_argument("--out", default="loss.png", help="PNG to write")
+    p.add_argument("--title", default="training loss", help="plot title")
     p.set_defaults(fn=cmd_plot)
     return ap
 

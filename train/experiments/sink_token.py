@@ -153,12 +153,10 @@ def ship(out: str, dest: str, results: dict, command: str) -> None:
     print(f"shipped the models to {dest}")
 
 
-def main(argv=None) -> int:
-    from train.config import recipe
-    from train.loop import train
-    from train.plot import plot_loss_curves
-    ap = argparse.ArgumentParser(prog="python -m train.experiments.sink_token",
-                                 description=__doc__.split("\n\n")[0])
+def build_parser():
+    from jaxllm.cli import Parser
+    ap = Parser(prog="python -m train.experiments.sink_token",
+                description=__doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--preset", default="tiny", help="training recipe (train.config.RECIPES)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a recipe field (repeatable), e.g. steps=500 or "
@@ -178,7 +176,14 @@ def main(argv=None) -> int:
     ap.add_argument("--train-only", action="store_true",
                     help="train (or resume) the variants, then stop without evaluating")
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # --parallel's child
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    from train.config import recipe
+    from train.loop import train
+    from train.plot import plot_loss_curves
+    a = build_parser().parse_args(argv)
     out = a.out or os.path.join("runs", f"sink_{a.preset}")
     base = recipe(a.preset, a.set)
     cache_dir = os.path.join(out, ".token_cache")

@@ -186,10 +186,20 @@ def is_quantized(params) -> bool:
                jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QKernel)))
 
 
+def _check_embedding_head(cfg: ModelConfig, quantize_embedding: bool, quantize_head: bool):
+    if cfg.tie_embeddings and quantize_embedding != quantize_head:
+        raise ValueError("this model ties its output head to the embedding table (one tensor), so "
+                         "quantize_embedding and quantize_head must agree")
+
+
 def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict] = None,
-                    real: bool = True, bmm: bool = False, per_channel: Optional[bool] = None):
+                    real: bool = True, bmm: bool = False, per_channel: Optional[bool] = None,
+                    quantize_embedding: bool = True, quantize_head: bool = True):
     """Every linear kernel (and the embedding table) of already smoothed float params as int8.
-    ``stats``: smoothed per-channel input maxima, needed by the static scheme ``o3``."""
+    ``stats``: smoothed per-channel input maxima, needed by the static scheme ``o3``.
+    ``quantize_embedding`` / ``quantize_head=False`` keep those in float (the SmoothQuant
+    authors' setting)."""
+    _check_embedding_head(cfg, quantize_embedding, quantize_head)
     scheme_channel, act = SCHEMES[scheme]
     per_channel = scheme_channel if per_channel is None else per_channel
     out = jax.tree.map(np.asarray, jax.device_get(params))  # a fresh tree to fill in
@@ -197,8 +207,9 @@ def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict]
         node = _get(out, path)
         w = jnp.asarray(node["kernel"])
         if path == "lm_head":  # the head: per-channel weights, per-token activations
-            node["kernel"] = quantize_weight(w, True, "none" if act == "none" else "token",
-                                             real=real)
+            if quantize_head:
+                node["kernel"] = quantize_weight(w, True, "none" if act == "none" else "token",
+                                                 real=real)
             continue
         a_scale = None
         if act == "static":
@@ -207,9 +218,10 @@ def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict]
     if bmm:
         for i in range(cfg.num_layers):
             out[f"layer_{i}"]["attn"]["bmm"] = QAttention(real=real)
-    emb = out["embed"]
-    emb["embedding"] = quantize_rows(jnp.asarray(emb["embedding"]),
-                                     "none" if act == "none" else "token", real=real)
+    if quantize_embedding:
+        emb = out["embed"]
+        emb["embedding"] = quantize_rows(jnp.asarray(emb["embedding"]),
+                                         "none" if act == "none" else "token", real=real)
     return jax.tree.map(jnp.asarray, out)  # QAttention has no leaves: kept as is
 
 
@@ -225,13 +237,17 @@ def _smoothed_stats(stats: dict, groups, factors: dict) -> dict:
 def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
              alpha: Union[float, str, None] = None, *, smooth: bool = True,
              smooth_down: bool = False, real: bool = True, bmm: bool = False,
-             per_channel: Optional[bool] = None, calib: CalibConfig = CalibConfig(),
+             per_channel: Optional[bool] = None, quantize_embedding: bool = True,
+             quantize_head: bool = True, calib: CalibConfig = CalibConfig(),
              progress: bool = False, return_info: bool = False):
     """SmoothQuant: calibrate on ``calib_tokens`` (token ids, 1-D stream), smooth with strength
     ``alpha`` (None: the family default; ``"auto"``: grid search on held-out calibration text
     minimising the quantized model's loss) and quantize with ``scheme``; ``bmm`` also runs the
     attention products QKᵀ and PV in INT8; ``per_channel`` overrides the scheme's weight
-    granularity; ``real=False`` gives fake-quant (float) arithmetic.
+    granularity; ``real=False`` gives fake-quant (float) arithmetic. The embedding table (int8
+    per row) and the output head (per-channel W8) are quantized by default;
+    ``quantize_embedding`` / ``quantize_head=False`` keep them in float, as the SmoothQuant
+    authors do (a tied head follows the embedding: both switches must then agree).
 
     Returns params that ``forward``/``generate`` take unchanged (with any cache), and with
     ``return_info=True`` also a dict (alpha used, per-alpha held-out loss for ``"auto"``).
@@ -241,6 +257,8 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
     if is_quantized(params):
         raise ValueError("these params are already quantized; quantize the float model "
                          "(quantizing int8 weights again would compound the rounding)")
+    _check_embedding_head(cfg, quantize_embedding, quantize_head)
+    keep = dict(quantize_embedding=quantize_embedding, quantize_head=quantize_head)
     auto = alpha == "auto"
     if alpha is None:
         alpha = DEFAULT_ALPHA.get(cfg.family, 0.5)
@@ -255,13 +273,13 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
 
     def build(a):
         if not smooth:
-            return quantize_params(params, cfg, scheme, stats, real, bmm, per_channel)
+            return quantize_params(params, cfg, scheme, stats, real, bmm, per_channel, **keep)
         factors = smoothing_factors(params, stats, groups, a)
         sm = apply_smoothing(params, groups, factors)
         return quantize_params(sm, cfg, scheme, _smoothed_stats(stats, groups, factors), real,
-                               bmm, per_channel)
+                               bmm, per_channel, **keep)
 
-    info = {"scheme": scheme, "smooth": smooth, "real": real, "int8_attention": bmm}
+    info = {"scheme": scheme, "smooth": smooth, "real": real, "int8_attention": bmm, **keep}
     if not smooth:
         return (build(None), info) if return_info else build(None)
     if auto:

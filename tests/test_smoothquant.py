@@ -130,6 +130,28 @@ def test_real_and_fake_quant_agree(scheme, per_channel, outlier_model):
                                jaxllm.forward(fake, LLAMA, toks)[0], atol=1e-5, rtol=0)
 
 
+def test_embedding_and_head_can_stay_float(outlier_model):
+    """The SmoothQuant authors keep the embedding and the head in float: the switches leave
+    exactly the original tensors there (neither is smoothed) and the body quantized as before."""
+    params, toks, ref = outlier_model
+    base = sq.quantize(params, LLAMA, IDS, "o1", 0.8, calib=CC)
+    kept, info = sq.quantize(params, LLAMA, IDS, "o1", 0.8, calib=CC, quantize_embedding=False,
+                             quantize_head=False, return_info=True)
+    assert not info["quantize_embedding"] and not info["quantize_head"]
+    assert isinstance(base["embed"]["embedding"], quant.QKernel)
+    assert isinstance(base["lm_head"]["kernel"], quant.QKernel)
+    np.testing.assert_array_equal(kept["embed"]["embedding"], params["embed"]["embedding"])
+    np.testing.assert_array_equal(kept["lm_head"]["kernel"], params["lm_head"]["kernel"])
+    for a, b in zip(jax.tree.leaves(base["layer_1"]), jax.tree.leaves(kept["layer_1"])):
+        np.testing.assert_array_equal(a, b)
+    err = lambda q: float(jnp.sqrt(jnp.mean((jaxllm.forward(q, LLAMA, toks)[0] - ref) ** 2)))  # noqa: E731
+    assert err(kept) <= err(base) * 1.05  # fewer quantized tensors: no worse
+    tied = dataclasses.replace(LLAMA, tie_embeddings=True)
+    with pytest.raises(ValueError, match="ties its output head"):
+        sq.quantize(jaxllm.init_params(tied, jax.random.key(0)), tied, IDS, "o1", calib=CC,
+                    quantize_head=False)
+
+
 def test_smoothing_rescues_quantization_of_outlier_channels(outlier_model):
     """The paper's claim in miniature: per-channel outliers wreck naive W8A8, smoothing fixes it."""
     params, toks, ref = outlier_model

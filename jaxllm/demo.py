@@ -11,11 +11,12 @@ import dataclasses
 import json
 import os
 import time
+from typing import Optional
 
 import jax
 import numpy as np
 
-from .ppl import PplConfig, peak_rss_mb, stream_score
+from .ppl import PplConfig, stream_score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ def _run(params, cfg, ids, pc: PplConfig, desc: str) -> tuple[np.ndarray, dict]:
     slots = len(ids) + 1 if pc.method == "dense" else pc.cache
     kv = 2 * cfg.num_layers * slots * cfg.num_kv_heads * cfg.head_dim * 4 / 2 ** 20
     return nll, {"ppl": float(np.exp(nll.astype(np.float64).mean())),
-                 "tokens_per_s": len(nll) / secs, "kv_mib": kv, "peak_rss_mb": peak_rss_mb()}
+                 "tokens_per_s": len(nll) / secs, "kv_mib": kv}
 
 
 def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfig,
@@ -53,8 +54,9 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
     from .generate import SamplingConfig, generate
     os.makedirs(out_dir, exist_ok=True)
     S, C = dc.sinks, dc.cache
-    rows, curves = [], {}
+    rows, curves, contexts = [], {}, {}
     for label, (cfg, params, tok) in models.items():
+        contexts[label] = cfg.max_seq_len
         plans = [("dense", PplConfig("dense", 0, C)), (f"window 0+{C}", PplConfig("window", 0, C)),
                  (f"StreamingLLM {S}+{C - S}", PplConfig("streaming", S, C)),
                  (f"recompute {S}+{C - S}", PplConfig("recompute", S, C))]
@@ -77,17 +79,28 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
             max_new_tokens=dc.new_tokens, temperature=dc.temperature, top_k=dc.top_k),
             jax.random.key(0))
         gens[label] = tok.decode(list(np.asarray(res.tokens[0, :int(res.num_tokens[0])])))
+    unit = "byte" if all(type(t).__name__ == "ByteTokenizer" for _, _, t in models.values()) \
+        else "token"
     result = {"config": dataclasses.asdict(dc), "tokens_scored": int(len(ids) - 1),
-              "rows": rows, "generations": gens}
+              "unit": unit, "training_context": contexts, "rows": rows, "generations": gens,
+              # the per-position NLL (nats) that demo.png plots, one list per model and method
+              "curves": {k: [round(float(x), 4) for x in v] for k, v in curves.items()}}
     with open(os.path.join(out_dir, "demo.json"), "w") as f:
         json.dump(result, f, indent=1)
-    plot_curves(curves, os.path.join(out_dir, "demo.png"), dc)
+    plot_curves(curves, os.path.join(out_dir, "demo.png"), dc, contexts, unit)
     return result
 
 
-def plot_curves(curves: dict, path: str, dc: DemoConfig, smooth: int = 128) -> None:
+def coincide(a: np.ndarray, b: np.ndarray, tol: float = 0.005) -> bool:
+    """Two NLL curves indistinguishable on the plot: the same to ``tol`` of their mean."""
+    return bool(np.abs(a - b).mean() <= tol * max(float(np.abs(a).mean()), 1e-9))
+
+
+def plot_curves(curves: dict, path: str, dc: DemoConfig, contexts: Optional[dict] = None,
+                unit: str = "token", smooth: int = 128) -> None:
     """Running-mean NLL against position, one panel per model ("model: method" keys; keys
-    without a model go in one panel), one line per method (StreamingLLM Fig. 3)."""
+    without a model go in one panel), one line per method (StreamingLLM Fig. 3). The cache size
+    and each model's training context are marked; curves that coincide say so in the legend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -95,30 +108,67 @@ def plot_curves(curves: dict, path: str, dc: DemoConfig, smooth: int = 128) -> N
     for name, nll in curves.items():
         model, sep, method = name.partition(": ")
         panels.setdefault(model if sep else "", {})[method if sep else name] = nll
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False,
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.4), squeeze=False,
                              sharey=True)
     for ax, (model, lines) in zip(axes[0], panels.items()):
+        drawn: list = []
         for method, nll in lines.items():
+            same = [m for m in drawn if coincide(lines[m], nll)]
             k = min(smooth, len(nll))
             y = np.convolve(nll, np.ones(k) / k, "valid")
-            ax.plot(np.arange(k, len(nll) + 1), y, lw=1.3, label=method,
+            ax.plot(np.arange(k, len(nll) + 1), y, lw=1.3,
+                    label=method + (f" (= {same[0]}, hidden under it)" if same else ""),
                     ls="--" if "recompute" in method else "-")
-        ax.axvline(dc.cache, color="gray", lw=0.8, ls=":")
+            drawn.append(method)
+        ax.axvline(dc.cache, color="gray", lw=0.8, ls=":", label=f"cache size {dc.cache}")
+        ctx = (contexts or {}).get(model)
+        if ctx and ctx < max(len(v) for v in lines.values()):
+            ax.axvline(ctx, color="black", lw=0.8, ls="-.", label=f"training context {ctx}")
         ax.set_xlabel("position in stream (tokens)")
         ax.set_title(model or "cache policies", fontsize=10)
-        ax.legend(fontsize=8)
-    axes[0][0].set_ylabel(f"NLL, mean of the last {smooth} tokens")
-    fig.suptitle(f"the embedded corpus through each cache policy (dotted: cache size "
-                 f"{dc.cache}, the first eviction)", fontsize=10)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"NLL (nats per {unit}), mean of the last {smooth}")
+    fig.suptitle("the embedded corpus through each cache policy (StreamingLLM Fig. 3)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'model':<15} {'method':<32} {'ppl':>9} {'tok/s':>8} {'KV MiB':>7} "
-             f"{'peak RSS MiB':>12}"]
+    lines = [f"{'model':<15} {'method':<32} {'ppl':>9} {'tok/s':>8} {'KV MiB':>7}"]
     for r in result["rows"]:
         lines.append(f"{r['model']:<15} {r['method']:<32} {r['ppl']:>9.3f} "
-                     f"{r['tokens_per_s']:>8.0f} {r['kv_mib']:>7.2f} {r['peak_rss_mb']:>12.0f}")
+                     f"{r['tokens_per_s']:>8.0f} {r['kv_mib']:>7.2f}")
     return "\n".join(lines)
+
+
+def explain(result: dict) -> str:
+    """What the table's numbers are and what they show, from the numbers themselves."""
+    dc, unit = result["config"], result.get("unit", "token")
+    S, C = dc["sinks"], dc["cache"]
+    out = [f"ppl: perplexity per {unit} over {result['tokens_scored']} {unit}s of the embedded "
+           f"corpus (lower is better); tok/s: scoring speed on this machine; KV MiB: the float32 "
+           f"keys and values each method holds."]
+    for model, ctx in result["training_context"].items():
+        rows = {r["method"]: r["ppl"] for r in result["rows"] if r["model"] == model}
+        dense, window = rows.get("dense"), rows.get(f"window 0+{C}")
+        stream, rec = rows.get(f"StreamingLLM {S}+{C - S}"), rows.get(f"recompute {S}+{C - S}")
+        line = f"{model} ({ctx}-{unit} training context): "
+        parts = []
+        if dense is not None and stream is not None and dense > 1.1 * stream:
+            parts.append(f"the dense cache reads past its {ctx}-{unit} training context and "
+                         f"degrades ({dense:.2f} vs {stream:.2f})")
+        if window is not None and stream is not None:
+            if window > 1.1 * stream:
+                parts.append(f"window attention collapses once the first tokens leave the cache "
+                             f"({window:.2f}) while StreamingLLM keeps {S} sinks ({stream:.2f})")
+            else:
+                parts.append(f"window {window:.2f} ~ StreamingLLM {stream:.2f}: no attention "
+                             f"sink formed in this model, so evicting the first tokens costs "
+                             f"nothing")
+        if rec is not None and stream is not None:
+            parts.append(f"StreamingLLM is within {abs(stream / rec - 1):.1%} of the recompute "
+                         f"oracle")
+        out.append(line + "; ".join(parts) + ".")
+    return "\n".join(out)

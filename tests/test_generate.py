@@ -100,3 +100,16 @@ def test_generate_errors():
     with pytest.raises(ValueError, match="at least one prompt token"):
         jaxllm.generate(PARAMS, LLAMA, np.ones((1, 4), np.int32), dense,
                         jaxllm.SamplingConfig(max_new_tokens=2), prompt_lengths=np.array([0]))
+
+
+def test_readme_api_example_prints_text(capsys):
+    """The README's Python API example runs as written and prints readable text (it uses the
+    embedded model, not random weights that print control bytes)."""
+    import os
+    import re
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    code = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out.strip()
+    assert len(out) > 10
+    assert sum(c.isprintable() or c in "\n\t" for c in out) / len(out) > 0.95, out

@@ -23,6 +23,10 @@ and key positions, the in-cache positions reduce to two cases, both computed fro
 * a sink key ``j`` is at distance ``min(t, S+W-1) - j``; we rotate a second copy of the query at
   ``min(t, S+W-1)`` and the sink keys at ``j``.
 
+A chunk longer than the window is fed in blocks of ``W`` tokens inside the same jit
+(``model._forward``), so chunk offsets, too, stay below ``W``: no rotated position leaves
+``[-W, S+W)`` however long the prompt.
+
 So no absolute stream position ever enters the arithmetic: the counters are ``length`` (filled
 slots, saturating at ``S+W``) and ``head`` (next ring offset, in ``[0, W)``), neither of which grows
 with the stream, and logits after a billion tokens are computed from the same small numbers as

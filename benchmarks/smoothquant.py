@@ -83,7 +83,7 @@ def accuracy(a) -> tuple[str, str]:
         t = time.time()
         cfg, params = train_small(train_ids, a.train_steps)
         print(f"  {time.time() - t:.0f} s")
-        jaxllm.save_model(path, cfg, params)
+        jaxllm.save_model(path, cfg, params, overwrite=True)
     cc = sq.CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len, heldout_seqs=8)
     calib_ids = train_ids[-200_000:]  # calibration text: training-domain, not the test split
     stats = sq.calibrate(params, cfg, sq._samples(calib_ids, cc, False)[0])

@@ -185,7 +185,7 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
 
 
 def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None = None,
-          progress: bool = False) -> None:
+          progress: bool = False, overwrite: bool = False, sources=()) -> None:
     """Write an HF directory (config.json + model.safetensors [+ tokenizer files]) atomically."""
     from safetensors.numpy import save_file
 
@@ -205,7 +205,7 @@ def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None =
         a = np.ascontiguousarray(e.to_hf(*(np.asarray(flat[p], np.float32) for p in e.ours)))
         assert a.shape == e.shape, (e.hf, a.shape, e.shape)
         tensors[e.hf] = a
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, overwrite, sources) as tmp:
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(hf_cfg, f, indent=2)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})

@@ -38,6 +38,10 @@ MODEL_HELP = ("jaxllm model directory, Hugging Face model directory (converted o
               "random:PRESET[:SEED]")
 
 
+OVERWRITE_HELP = ("replace a model that jaxllm wrote at --out before (anything else there is "
+                  "always refused)")
+
+
 def _load(model: str, need_tokenizer: bool = True):
     from .io import load_model
     try:
@@ -177,6 +181,20 @@ def cmd_generate(a) -> None:
         print(("\n" if i else "") + prompt + tok.decode(list(res.tokens[0, :n])), flush=True)
 
 
+def _sources(model: str) -> list:
+    """The directory a --model reads from (none for embedded and random models)."""
+    return [model] if os.path.isdir(model) else []
+
+
+def _check_out(a, sources) -> None:
+    """Refuse an --out that would lose data before any work is done (see check_output_dir)."""
+    from .io import check_output_dir
+    try:
+        check_output_dir(a.out, a.overwrite, sources)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_convert(a) -> None:
     import jax
     import jax.numpy as jnp
@@ -185,11 +203,12 @@ def cmd_convert(a) -> None:
     from convert.hf import has_tokenizer
 
     from .io import save_model
+    _check_out(a, [a.hf])
     try:
         cfg, params = from_hf(a.hf, allow_pickle=a.allow_pickle, progress=not a.quiet,
                               dtype=jnp.dtype(a.dtype))
         save_model(a.out, cfg, params, tokenizer=a.hf if has_tokenizer(a.hf) else None,
-                   format=a.format)
+                   format=a.format, overwrite=a.overwrite, sources=[a.hf])
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(str(e)) from None
     n = sum(x.size for x in jax.tree.leaves(params))
@@ -205,11 +224,12 @@ def cmd_export_hf(a) -> None:
 
     from .io import TOKENIZER_DIR
     from .tokenizer import ByteTokenizer
+    _check_out(a, _sources(a.model))
     cfg, params, tok = _load(a.model, need_tokenizer=False)
     tok_dir = os.path.join(a.model, TOKENIZER_DIR)
     try:
         to_hf(cfg, params, a.out, tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
-              progress=not a.quiet)
+              progress=not a.quiet, overwrite=a.overwrite, sources=_sources(a.model))
     except ValueError as e:
         raise CliError(str(e)) from None
     print(f"wrote {a.out}: load it with transformers.AutoModelForCausalLM.from_pretrained")
@@ -224,6 +244,7 @@ def cmd_quantize(a) -> None:
     from .io import save_model
     from .smoothquant import CalibConfig, quantize
     from .tokenizer import ByteTokenizer
+    _check_out(a, _sources(a.model))
     cfg, params, tok = _load(a.model)
     alpha = a.alpha if a.alpha in (None, "auto") else _float(a.alpha, "--alpha")
     ids = tok.encode(read_text(a.calib_text) if a.calib_text else builtin_corpus())
@@ -236,7 +257,7 @@ def cmd_quantize(a) -> None:
                            calib=CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len),
                            progress=not a.quiet, return_info=True)
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok.name,
-                   format=a.format)
+                   format=a.format, overwrite=a.overwrite, sources=_sources(a.model))
     except ValueError as e:
         raise CliError(str(e)) from None
     if "losses" in info:
@@ -419,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-pickle", action="store_true",
                    help="read pytorch_model*.bin (pickle) when no safetensors exist; only for "
                         "files you trust")
+    c.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_convert)
 
@@ -451,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--out", required=True, help="model directory to write")
     z.add_argument("--format", choices=["orbax", "safetensors"], default="safetensors",
                    help="how the quantized weights are stored")
+    z.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     z.add_argument("--json", help="write what was chosen (alpha, search losses) here")
     z.add_argument("--quiet", action="store_true", help="no progress bars")
     z.set_defaults(fn=cmd_quantize)
@@ -505,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export-hf", help="write a GPT-NeoX/Llama/Mistral model in HF format")
     e.add_argument("--model", required=True, help=MODEL_HELP)
     e.add_argument("--out", required=True, help="directory to write (config.json + safetensors)")
+    e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(fn=cmd_export_hf)
     return p

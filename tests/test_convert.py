@@ -441,3 +441,49 @@ def test_old_checkpoint_names_and_buffers(saved, tmp_path):
         cfg, params = convert.from_hf(str(out))
         np.testing.assert_allclose(jaxllm.forward(params, cfg, TOKENS)[0],
                                    hf_logits(model, TOKENS), atol=1e-4, rtol=0)
+
+
+def test_out_never_destroys_what_is_there(tmp_path, capsys, monkeypatch):
+    """convert / quantize / export-hf refuse an --out whose replacement would lose data: a
+    directory of someone's files, the current directory, a file, the source itself (or a path
+    around it); a model they wrote before is replaced only with --overwrite; the half-written
+    directories of a killed writer are cleaned on the next write."""
+    from jaxllm.cli import main
+    hf = tmp_path / "hf"
+    build_hf("neox-parallel-rot0.25").save_pretrained(hf)
+    mine = tmp_path / "thesis"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("do not lose me")
+    (mine / "sub" / "data.csv").write_text("1,2,3")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    monkeypatch.chdir(mine)
+    hf_files = sorted(os.listdir(hf))
+    cases = [(["convert", "--hf", str(hf), "--out", str(mine)], "not written by jaxllm"),
+             (["convert", "--hf", str(hf), "--out", "."], "not written by jaxllm"),
+             (["convert", "--hf", str(hf), "--out", str(afile)], "not a directory"),
+             (["convert", "--hf", str(hf), "--out", str(hf)], "is the source"),
+             (["convert", "--hf", str(hf), "--out", str(tmp_path)], "overlaps the source"),
+             (["export-hf", "--model", str(hf), "--out", str(hf / "x")], "overlaps the source"),
+             (["quantize", "--model", str(hf), "--out", str(hf)], "is the source")]
+    for args, msg in cases:
+        capsys.readouterr()
+        assert main(args + ["--quiet"]) == 2, args
+        assert msg in capsys.readouterr().err, args
+    assert (mine / "notes.txt").read_text() == "do not lose me"
+    assert (mine / "sub" / "data.csv").read_text() == "1,2,3" and afile.read_text() == "x"
+    assert sorted(os.listdir(hf)) == hf_files
+    # a model written here before: replaced only when asked
+    out = tmp_path / "m"
+    assert main(["convert", "--hf", str(hf), "--out", str(out), "--quiet"]) == 0
+    assert main(["convert", "--hf", str(hf), "--out", str(out), "--quiet"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    # a killed writer's half-written directory (pid 2^22 + 1 is not running) goes on next write
+    stale = tmp_path / ".m.jaxllm-partial-4194305-abc"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1000)
+    assert main(["convert", "--hf", str(hf), "--out", str(out), "--quiet", "--overwrite"]) == 0
+    assert not stale.exists()
+    assert not [n for n in os.listdir(tmp_path) if "jaxllm-partial" in n or "jaxllm-old" in n]
+    cfg, _, _ = jaxllm.load_model(str(out))
+    assert cfg.family == "gpt_neox"

@@ -203,7 +203,7 @@ def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True
     if end == cfg.steps and is_main:
         export_cfg = dataclasses.replace(cfg.model, dtype="float32")
         save_model(os.path.join(out, "model"), export_cfg, jax.device_get(state["params"]),
-                   tokenizer=cfg.tokenizer)
+                   tokenizer=cfg.tokenizer, overwrite=True)
         summary["model"] = os.path.join(out, "model")
     return summary
 

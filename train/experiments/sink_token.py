@@ -139,7 +139,7 @@ def ship(out: str, dest: str, results: dict, command: str) -> None:
     that says how they were made and what they measure."""
     from jaxllm.io import atomic_dir
     for v, name in (("none", "vanilla"), ("learnable", "learnable-sink")):
-        with atomic_dir(os.path.join(dest, name)) as tmp:
+        with atomic_dir(os.path.join(dest, name), overwrite=True) as tmp:
             src = os.path.join(out, v, "model")
             for f in os.listdir(src):
                 shutil.copy2(os.path.join(src, f), os.path.join(tmp, f))

@@ -8,6 +8,7 @@ and export, so a round trip is exact by construction and checked by a test.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -121,11 +122,16 @@ def _mpt_config(hf: dict) -> ModelConfig:
     if hf.get("logit_scale") not in (None, 1, 1.0):
         raise UnsupportedModel(f"mpt with logit_scale={hf['logit_scale']!r} is not supported")
     d = hf["d_model"]
+    if float(ac.get("alibi_bias_max", 8)) != 8:
+        # transformers' MPT builds its ALiBi slopes with the default 8 whatever the config says;
+        # a checkpoint is what its reference implementation computes, so follow it.
+        warnings.warn(f"mpt config.json sets attn_config.alibi_bias_max="
+                      f"{ac['alibi_bias_max']}, which transformers ignores (it always uses 8); "
+                      f"jaxllm follows transformers and uses 8", stacklevel=3)
     return ModelConfig.of_family(
         "mpt", vocab_size=hf["vocab_size"], hidden_size=d, num_layers=hf["n_layers"],
         num_heads=hf["n_heads"], intermediate_size=int(hf.get("expansion_ratio", 4) * d),
         norm_eps=hf.get("layer_norm_epsilon", 1e-5), qkv_clip=float(ac.get("clip_qkv") or 0.0),
-        alibi_bias_max=float(ac.get("alibi_bias_max", 8)),
         tie_embeddings=hf.get("tie_word_embeddings", True), max_seq_len=hf.get("max_seq_len", 2048))
 
 
@@ -159,6 +165,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         return _READERS[mt](hf)
     except KeyError as e:
         raise ValueError(f"{mt} config.json lacks the field {e.args[0]!r}") from None
+    except UnsupportedModel:
+        raise
+    except (ValueError, TypeError, ZeroDivisionError, OverflowError) as e:
+        raise ValueError(f"{mt} config.json has an invalid value: {e}") from None
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

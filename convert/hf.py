@@ -21,7 +21,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.io import atomic_dir, check_params, flatten_tree, unflatten_tree
 
-from .families import ALIASES, BASE_PREFIX, NAMES, config_from_hf, config_to_hf
+from .families import ALIASES, BASE_PREFIX, NAMES, UnsupportedModel, config_from_hf, config_to_hf
 
 CONFIG = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -155,7 +155,12 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
         else:
             hf_cfg, get, names = _from_model(src)
             where = type(src).__name__
-        cfg = config_from_hf(hf_cfg)
+        try:
+            cfg = config_from_hf(hf_cfg)
+        except UnsupportedModel:
+            raise
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         entries = NAMES[cfg.family](cfg)
         available = {_canonical(n, cfg.family): n for n in names if not _BUFFERS.search(n)}
         wanted = {e.hf for e in entries}
@@ -177,6 +182,10 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
             if tuple(a.shape) != e.shape:
                 raise ValueError(f"{where}: tensor {e.hf} has shape {tuple(a.shape)}, but the "
                                  f"config needs {e.shape}")
+            if not jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
+                raise ValueError(f"{where}: tensor {e.hf} is {a.dtype.name}, not a float tensor "
+                                 f"(quantized checkpoints, e.g. GPTQ/bitsandbytes, cannot be "
+                                 f"converted; use the float model)")
             for path, v in zip(e.ours, e.to_ours(a)):
                 flat[path] = np.ascontiguousarray(v, dtype=dtype)
     # the name map must fill exactly the model's parameters, each with the model's shape

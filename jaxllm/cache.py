@@ -75,6 +75,31 @@ class KVCache:
         return self.k[0].shape[0]
 
 
+def available_bytes():
+    """Memory a new array can take on the default device: an accelerator's free memory, or
+    the host's available memory on a CPU (None when unknown)."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _as_int(x, name: str) -> int:
+    """Python and numpy integers alike (np.int64(2) is a fine batch size); never a float."""
+    import numbers
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {x!r}")
+    return int(x)
+
+
 def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020, *,
                evict: bool = True, dtype=jnp.float32) -> KVCache:
     """An empty cache of ``sinks + window`` slots per row.
@@ -82,14 +107,28 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
     ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
     ``sinks=0`` gives window attention; ``sinks=0, window=L, evict=False`` a dense cache of L tokens.
     """
-    if not isinstance(batch, int) or batch < 1:
+    batch, sinks, window = (_as_int(x, n) for x, n in ((batch, "batch"), (sinks, "sinks"),
+                                                         (window, "window")))
+    if batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
-    if not isinstance(sinks, int) or sinks < 0:
+    if sinks < 0:
         raise ValueError(f"sinks must be a non-negative int (0 for window attention), got {sinks!r}")
-    if not isinstance(window, int) or window < 1:
+    if window < 1:
         raise ValueError(f"window must be an int >= 1 (the number of recent tokens kept), "
                          f"got {window!r}")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"the KV cache stores keys and values in a float dtype (float32, "
+                         f"bfloat16, float16), got {jnp.dtype(dtype).name}: an integer cache would "
+                         f"silently round them")
     shape = (batch, cfg.num_kv_heads, sinks + window, cfg.head_dim)
+    need = 2 * cfg.num_layers * batch * cfg.num_kv_heads * (sinks + window) * cfg.head_dim * \
+        jnp.dtype(dtype).itemsize
+    have = available_bytes()
+    if have is not None and need > have:
+        raise ValueError(f"a cache of {sinks}+{window} slots x batch {batch} needs "
+                         f"{need / 2**30:.1f} GiB for its keys and values, but only "
+                         f"{have / 2**30:.1f} GiB are free on {jax.devices()[0].device_kind}: use "
+                         f"a smaller cache (window) or batch")
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
     return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    length=jnp.zeros((batch,), jnp.int32), head=jnp.zeros((batch,), jnp.int32),

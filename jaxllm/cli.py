@@ -42,6 +42,18 @@ OVERWRITE_HELP = ("replace a model that jaxllm wrote at --out before (anything e
                   "always refused)")
 
 
+def _first_non_finite(params):
+    """The first float tensor (by path) holding NaN or inf, or None."""
+    import jax.numpy as jnp
+
+    from .io import flatten_tree
+    from .quant import to_plain
+    for name, x in flatten_tree(to_plain(params)[0]).items():
+        if jnp.issubdtype(x.dtype, jnp.floating) and not bool(jnp.isfinite(x).all()):
+            return name
+    return None
+
+
 def _load(model: str, need_tokenizer: bool = True):
     from .io import load_model
     try:
@@ -50,6 +62,10 @@ def _load(model: str, need_tokenizer: bool = True):
         raise CliError(str(e)) from None
     if model.startswith("random:"):
         print(RANDOM_NOTE.format(model=model), file=sys.stderr)
+    bad = _first_non_finite(params)
+    if bad:
+        print(f"warning: {model}: tensor {bad} holds NaN or inf values, so every result will "
+              f"be NaN", file=sys.stderr)
     if tok is None and need_tokenizer:
         from convert.hf import is_hf_dir
         where = model if is_hf_dir(model) else os.path.join(model, "tokenizer")
@@ -71,10 +87,14 @@ def _ppl_config(a):
         raise CliError(str(e)) from None
 
 
-def _check_streamable(cfg, pc) -> None:
-    if cfg.pos_emb == "learned" and pc.method in ("window", "streaming"):
-        raise CliError(f"{cfg.family} has learned absolute positions, so it cannot stream; use "
-                       f"--method dense or recompute (with --cache <= {cfg.max_seq_len})")
+def _check_streamable(cfg, pc, n_tokens: int = 0) -> None:
+    """Before the work: a learned-position model cannot stream or read past its table."""
+    from .ppl import check_positions
+    try:
+        check_positions(cfg, pc, n_tokens)
+    except ValueError as e:
+        raise CliError(str(e).replace("method ", "--method ").replace("cache <=", "--cache <="))\
+            from None
 
 
 def _make_parent(path: str) -> None:
@@ -103,7 +123,6 @@ def cmd_ppl(a) -> None:
         if path:
             _make_parent(path)
     cfg, params, tok = _load(a.model)
-    _check_streamable(cfg, pc)
     ids = tok.encode(text)
     if a.max_tokens:
         if a.max_tokens < 2:
@@ -111,12 +130,16 @@ def cmd_ppl(a) -> None:
         ids = ids[:a.max_tokens]
     if len(ids) < 2:
         raise CliError("the text has fewer than 2 tokens: nothing to score")
+    _check_streamable(cfg, pc, len(ids))
     nll, summary = run_ppl(params, cfg, ids, pc, progress=not a.quiet)
     summary.update(model=a.model, text=a.text or "builtin")
     line = (f"{pc.method} {summary['sinks']}+{summary['cache'] - summary['sinks']}: "
             f"ppl {summary['ppl']:.3f} over {summary['tokens_scored']} tokens, "
             f"{summary['tokens_per_s']:.0f} tok/s, peak RSS {summary['peak_rss_mb']:.0f} MiB")
     print(line)
+    if summary["nan_count"]:
+        print(f"warning: {summary['nan_count']} of {summary['tokens_scored']} scores are NaN "
+              f"(non-finite weights or logits), so the perplexity is NaN", file=sys.stderr)
     if a.json:
         _write_json(a.json, summary)
     if a.plot:
@@ -153,6 +176,9 @@ def cmd_generate(a) -> None:
     import jax.numpy as jnp
     from .cache import init_cache
     from .generate import SamplingConfig, generate
+    if a.sinks < 0 or a.cache <= a.sinks:
+        raise CliError(f"--cache {a.cache} must exceed --sinks {a.sinks} (>= 0): the window "
+                       f"(--cache - --sinks) holds the recent tokens")
     cfg, params, tok = _load(a.model)
     try:
         sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
@@ -277,11 +303,40 @@ def _float(s: str, flag: str) -> float:
         raise CliError(f"{flag} must be a number in [0, 1] or 'auto', got {s!r}") from None
 
 
+def _check_eval_args(a) -> None:
+    """Every eval argument in range before any work (a bad one named by its flag)."""
+    def need(ok, msg):
+        if not ok:
+            raise CliError(msg)
+    for flag in ("n", "seq_len", "n_seqs", "trials", "lines", "repeat", "bucket"):
+        v = getattr(a, flag, None)
+        need(v is None or v >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if a.task == "streameval":
+        need(a.lines > 20, f"--lines must exceed 20 (each query asks about the line 20 back), "
+                           f"got {a.lines}")
+    if a.task == "sinks":
+        need(0 < a.eps < 1, f"--eps must lie in (0, 1), got {a.eps}")
+    if a.task == "outliers" and a.alpha is not None:
+        need(0 <= _float(a.alpha, "--alpha") <= 1, f"--alpha must lie in [0, 1], got {a.alpha}")
+    if a.task == "passkey":
+        try:
+            a.lengths_list = [int(x) for x in a.lengths.split(",")]
+            a.depths_list = [float(x) for x in a.depths.split(",")]
+        except ValueError:
+            raise CliError(f"--lengths takes integers and --depths numbers, comma-separated "
+                           f"(e.g. 500,1000 and 0,0.5,1); got {a.lengths!r} and {a.depths!r}"
+                           ) from None
+        need(all(n >= 1 for n in a.lengths_list), f"--lengths must be positive, got {a.lengths}")
+        need(all(0 <= d <= 1 for d in a.depths_list), f"--depths must lie in [0, 1], got "
+                                                      f"{a.depths}")
+
+
 def cmd_eval(a) -> None:
     """StreamEval, passkey and attention-sink analysis; each writes OUT.json next to OUT.png."""
     from .evals import attention as att
     from .evals import passkey, streameval
     from .evals.common import score_task
+    _check_eval_args(a)
     # The output directory first: a finished evaluation must never die on a missing folder.
     _make_parent(a.out)
     cfg, params, tok = _load(a.model)
@@ -345,8 +400,7 @@ def cmd_eval(a) -> None:
             qa.plot_running(ok, a.out + ".png", f"{a.model} · streaming QA · {pc.method} "
                             f"{pc.sinks}+{pc.cache - pc.sinks}")
         else:
-            lengths = [int(x) for x in a.lengths.split(",")]
-            depths = [float(x) for x in a.depths.split(",")]
+            lengths, depths = a.lengths_list, a.depths_list
             rng = np.random.default_rng(a.seed)
             grid = np.zeros((len(lengths), len(depths)))
             for i, n in enumerate(lengths):
@@ -538,7 +592,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except CliError as e:
+    except (CliError, ValueError) as e:  # the library raises ValueError for bad input
         print(f"jaxllm {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     return 0

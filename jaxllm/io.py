@@ -191,6 +191,20 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
             save_file(flat, os.path.join(tmp, WEIGHTS))
 
 
+def read_json(path: str):
+    """A JSON file's content; unreadable or invalid files raise ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except PermissionError:
+        raise ValueError(f"cannot read {path}: permission denied") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text, so not a JSON config") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                         f"{e.colno})") from None
+
+
 def check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None:
     """Names and shapes against the config (an int8 node's ``q`` has its float kernel's shape)."""
     expect = flatten_tree(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
@@ -208,6 +222,10 @@ def check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None:
         if tuple(arr.shape) != expect[name].shape:
             raise ValueError(f"{where}: tensor {name} has shape {tuple(arr.shape)}, the config "
                              f"needs {expect[name].shape}")
+        if name not in quant and not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(f"{where}: tensor {name} is {jnp.dtype(arr.dtype).name} where the "
+                             f"model needs float weights (int8 weights come as a quantized "
+                             f"model's q/scale pairs, written by jaxllm quantize)")
 
 
 def _place(params, sharding):
@@ -269,12 +287,14 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{cfg_path} is missing: a jaxllm model directory holds {CONFIG} "
                                 f"and its weights (write one with jaxllm.save_model)")
-    with open(cfg_path) as f:
-        meta = json.load(f)
-    if "model" not in meta:
+    meta = read_json(cfg_path)
+    if not isinstance(meta, dict) or "model" not in meta:
         raise ValueError(f"{cfg_path} is neither a jaxllm config (no 'model' key) nor a Hugging "
                          f"Face one (no 'model_type')")
-    cfg = ModelConfig.from_dict(meta["model"])
+    try:
+        cfg = ModelConfig.from_dict(meta["model"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
     fmt = meta.get("format", "safetensors")
     quant = meta.get("quant", {})
     if fmt == "orbax":

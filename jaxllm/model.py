@@ -415,6 +415,19 @@ def _check_absolute_positions(cfg: ModelConfig, T: int, cache: Optional[kvc.KVCa
                          f"{'this sequence has' if cache is None else 'the dense cache holds'} {n}")
 
 
+def check_token_ids(cfg: ModelConfig, tokens) -> None:
+    """Token ids must index the embedding (``embed_rows``: the vocabulary, plus a learnable
+    sink's row). Out-of-range ids would be clamped silently by the gather; under a caller's own
+    jit they are (the check needs concrete values), so check before jitting."""
+    ids = np.asarray(jax.device_get(tokens))
+    bad = (ids < 0) | (ids >= cfg.embed_rows)
+    if bad.any():
+        b, t = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"token id {int(ids[b, t])} at row {b}, position {t} is outside the "
+                         f"model's vocabulary [0, {cfg.embed_rows}); does the tokenizer match the "
+                         f"model? ({int(bad.sum())} bad ids in all)")
+
+
 def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths) -> jax.Array:
     """Validate a forward call's inputs; returns per-row valid lengths [B] (int32)."""
     if tokens.ndim != 2:
@@ -422,6 +435,10 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}")
     B, T = tokens.shape
+    if T == 0:
+        raise ValueError("the chunk is empty (tokens of shape [batch, 0]): pass at least one token")
+    if _is_concrete(tokens):
+        check_token_ids(cfg, tokens)
     if lengths is None:
         lens = jnp.full((B,), T, jnp.int32)
     else:

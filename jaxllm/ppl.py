@@ -43,6 +43,8 @@ class PplConfig:
         if self.method in ("dense", "window") and self.sinks:
             raise ValueError(f"--method {self.method} keeps no sink tokens (got sinks="
                              f"{self.sinks}); use --method streaming or recompute for sinks")
+        if self.cache < 1:
+            raise ValueError(f"cache must be >= 1, got {self.cache}")
         if self.method != "dense" and self.cache - self.sinks < 1:
             raise ValueError(f"cache {self.cache} must exceed sinks {self.sinks}: the window "
                              f"(cache - sinks) must hold at least one token")
@@ -136,12 +138,32 @@ def stream_score(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}); got {tokens.min()}.."
                          f"{tokens.max()}: does the tokenizer match the model?")
     lead = with_sink(cfg, tokens)
+    check_positions(cfg, pc, lead.size)
     skip = lead.size - tokens.size  # predictions of tokens[0] from the sink: not scored
     with tqdm(total=lead.size - 1, unit="tok", unit_scale=True, disable=not progress,
               desc=desc or f"ppl {pc.method}") as bar:
         fn = _recompute_nll if pc.method == "recompute" else _cached_nll
         nll, hit = fn(params, cfg, lead, pc, bar)
     return nll[skip:], hit[skip:]
+
+
+def check_positions(cfg: ModelConfig, pc: PplConfig, n_tokens: int) -> None:
+    """Learned absolute positions (OPT) exist for 0..max_seq_len-1 only: such a model cannot
+    stream, a dense cache holding more tokens or a recompute window longer than that would
+    read positions it never learned (the position table clamps them silently)."""
+    if cfg.pos_emb != "learned":
+        return
+    L = cfg.max_seq_len
+    if pc.method in ("window", "streaming"):
+        raise ValueError(f"{cfg.family} has learned absolute positions, so it cannot stream: use "
+                         f"method dense (at most {L} tokens) or recompute (cache <= {L})")
+    if pc.method == "dense" and n_tokens > L:
+        raise ValueError(f"{cfg.family} has learned positions for {L} tokens; a dense cache over "
+                         f"{n_tokens} tokens reads positions it never learned: score at most {L} "
+                         f"tokens, or use method recompute with cache <= {L}")
+    if pc.method == "recompute" and pc.cache > L:
+        raise ValueError(f"{cfg.family} has learned positions for {L} tokens; a recompute window "
+                         f"of {pc.cache} exceeds them: use cache <= {L}")
 
 
 def with_sink(cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:

@@ -79,7 +79,9 @@ def test_config_errors():
 def test_save_load_roundtrip(tmp_path, model):
     cfg, params = model
     jaxllm.save_model(str(tmp_path / "m"), cfg, params)
-    jaxllm.save_model(str(tmp_path / "m"), cfg, params)  # overwriting swaps atomically
+    with pytest.raises(ValueError, match="overwrite"):  # an earlier model: only when asked
+        jaxllm.save_model(str(tmp_path / "m"), cfg, params)
+    jaxllm.save_model(str(tmp_path / "m"), cfg, params, overwrite=True)  # swapped atomically
     cfg2, params2, tok = jaxllm.load_model(str(tmp_path / "m"))
     assert cfg2 == cfg and tok.name == "byte"
     jax.tree.map(np.testing.assert_array_equal, params, params2)

@@ -23,19 +23,24 @@ SAMPLE = [
 def read_jsonl(path: str) -> list[dict]:
     """Records ``{"question": str, "answer": str, "choices": [str, ...] (optional)}``."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            missing = [k for k in ("question", "answer") if not isinstance(rec.get(k), str)]
-            if missing:
-                raise ValueError(f"{path}:{n}: needs string fields {missing} (and optionally "
-                                 f"'choices', a list of strings)")
-            out.append(rec)
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 (invalid byte at offset {e.start}); convert it "
+                         f"first, e.g. iconv -f LATIN1 -t UTF-8") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        missing = [k for k in ("question", "answer") if not isinstance(rec.get(k), str)]
+        if missing:
+            raise ValueError(f"{path}:{n}: needs string fields {missing} (and optionally "
+                             f"'choices', a list of strings)")
+        out.append(rec)
     if not out:
         raise ValueError(f"{path} holds no records")
     return out

@@ -267,6 +267,35 @@ def test_killed_run_resumes_exactly(uninterrupted, tmp_path):
     assert _losses(run) == uninterrupted
 
 
+def test_corrupt_latest_checkpoint_resumes_from_the_one_before(uninterrupted, tmp_path,
+                                                                capsys):
+    run = str(tmp_path / "run")
+    cfg = recipe("tiny", TINY)
+    train(cfg, run, progress=False, stop_after=8)  # checkpoints at steps 4 and 8
+    step8 = os.path.join(run, "checkpoints", "8")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(step8) for f in fs]
+    big = max(files, key=os.path.getsize)
+    with open(big, "r+b") as f:  # a write cut short: half the largest file is gone
+        f.truncate(os.path.getsize(big) // 2)
+    train(cfg, run, progress=False)
+    assert "checkpoint step 8" in capsys.readouterr().err
+    assert _losses(run) == uninterrupted  # resumed from step 4, bit-exact
+
+
+def test_one_run_per_directory(tmp_path):
+    from train.loop import RunLock
+    run = str(tmp_path / "run")
+    held = RunLock(run)  # another run holding the directory
+    with pytest.raises(ValueError, match=r"in use by another training run \(pid \d+ on "):
+        train(recipe("tiny", TINY), run, progress=False)
+    held.release()
+    # a config that fails to build claims nothing: the directory stays free for a good one
+    with pytest.raises(ValueError, match="vocab_size"):
+        train(recipe("tiny", TINY + ["model.vocab_size=100"]), run, progress=False)
+    assert not os.path.exists(os.path.join(run, "train_config.json"))
+    assert train(recipe("tiny", TINY + ["steps=2"]), run, progress=False)["finished"]
+
+
 INTERRUPTED_WRITE = textwrap.dedent("""
     import os, sys, jax, jax.numpy as jnp
     from train.checkpoint import Checkpoints

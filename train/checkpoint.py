@@ -37,6 +37,24 @@ class Checkpoints:
             state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
         return out["state"], out["data"]
 
+    def restore_newest_good(self, like_state) -> tuple[dict, dict, int]:
+        """(state, data position, step) of the newest checkpoint that restores. A checkpoint
+        that fails (a truncated or corrupted file) is reported, deleted and skipped, so training
+        resumes from the one before it instead of dying."""
+        import sys
+        for step in sorted(self.mngr.all_steps(), reverse=True):
+            try:
+                state, data = self.restore(step, like_state)
+                return state, data, step
+            except Exception as e:  # noqa: BLE001 - any failure to read this step
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                print(f"warning: checkpoint step {step} in {self.dir} does not restore "
+                      f"({type(e).__name__}: {reason}); deleting it and trying the one before",
+                      file=sys.stderr)
+                self.mngr.delete(step)
+        raise ValueError(f"no checkpoint in {self.dir} restores; move the directory away and "
+                         f"start the run again")
+
     def wait(self) -> None:
         self.mngr.wait_until_finished()
 

@@ -52,6 +52,15 @@ class TrainConfig:
                              f"{self.grad_accum} (equal micro-batches)")
         if not 0 <= self.holdout < 1:
             raise ValueError(f"holdout must lie in [0, 1), got {self.holdout}")
+        for name, ok, what in (("lr", self.lr > 0, "> 0"), ("clip", self.clip > 0, "> 0"),
+                               ("eps", self.eps > 0, "> 0"),
+                               ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                               ("warmup_frac", 0 <= self.warmup_frac <= 1, "in [0, 1]"),
+                               ("final_lr_frac", 0 <= self.final_lr_frac <= 1, "in [0, 1]"),
+                               ("b1", 0 <= self.b1 < 1, "in [0, 1)"),
+                               ("b2", 0 <= self.b2 < 1, "in [0, 1)")):
+            if not ok:
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)}")
         if self.seq_len > self.model.max_seq_len and self.model.pos_emb == "learned":
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's {self.model.max_seq_len} "
                              f"learned positions")
@@ -97,8 +106,24 @@ class TrainConfig:
                 top[key] = _parse(TrainConfig, key, value)
         if "model" in top:
             raise ValueError("set model fields one by one: model.FIELD=VALUE")
-        cfg = dataclasses.replace(self.model, **model) if model else self.model
+        cfg = dataclasses.replace(self.model, **_rederive(self.model, model)) if model else \
+            self.model
         return dataclasses.replace(self, model=cfg, **top)
+
+
+def _rederive(old: ModelConfig, new: dict) -> dict:
+    """Fields derived from others follow them unless set too: head_dim (hidden / heads),
+    num_kv_heads (= num_heads for multi-head attention) and intermediate_size (4 x hidden), each
+    only where the old value was the derived one (an explicit GQA ratio or MLP width stays)."""
+    out = dict(new)
+    hidden, heads = out.get("hidden_size", old.hidden_size), out.get("num_heads", old.num_heads)
+    if "head_dim" not in out and old.head_dim == old.hidden_size // old.num_heads:
+        out["head_dim"] = 0  # derived again in ModelConfig.__post_init__
+    if "num_kv_heads" not in out and old.num_kv_heads == old.num_heads:
+        out["num_kv_heads"] = heads
+    if "intermediate_size" not in out and old.intermediate_size == 4 * old.hidden_size:
+        out["intermediate_size"] = 4 * hidden
+    return out
 
 
 def _parse(cls, name: str, value: str) -> Any:

@@ -36,11 +36,46 @@ def _check_run_dir(out: str, cfg: TrainConfig) -> None:
         if diff:
             raise ValueError(f"{out} holds a run with a different config ({', '.join(diff)} "
                              f"differ); resume with the same settings or use a new --out")
+
+
+def _write_config(out: str, cfg: TrainConfig) -> None:
+    """Record the run's config, once everything it names has been built (a config that fails
+    to build must not claim the directory)."""
+    path = os.path.join(out, CONFIG_FILE)
     os.makedirs(out, exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(cfg.to_dict(), f, indent=1)
     os.replace(tmp, path)
+
+
+class RunLock:
+    """An exclusive lock on a run directory (``.lock``, holding the owner's pid and host), so
+    two runs never train into one directory: the second would resume from the first's
+    half-written checkpoints. The OS drops the lock when its process ends, however it ends."""
+
+    def __init__(self, out: str):
+        import fcntl
+        import socket
+        os.makedirs(out, exist_ok=True)
+        self.path = os.path.join(out, ".lock")
+        self.f = open(self.path, "a+")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.seek(0)
+            owner = self.f.read().strip() or "another process"
+            self.f.close()
+            raise ValueError(f"{out} is in use by another training run ({owner}); wait for it "
+                             f"to finish or train into another --out") from None
+        self.f.seek(0)
+        self.f.truncate()
+        self.f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self.f.flush()
+
+    def release(self) -> None:
+        if not self.f.closed:
+            self.f.close()  # closing the file releases the lock
 
 
 def _truncate_metrics(path: str, step: int) -> None:
@@ -121,8 +156,20 @@ def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True
         raise ValueError(f"each micro-batch ({cfg.batch_size} / grad_accum {cfg.grad_accum} = "
                          f"{micro} sequences) must split evenly over the {n_dev} devices")
     is_main = jax.process_index() == 0
-    if is_main:
-        _check_run_dir(out, cfg)
+    if not is_main:
+        return _train(cfg, out, resume, progress, stop_after, mesh, cache_dir)
+    _check_run_dir(out, cfg)
+    lock = RunLock(out)  # one run per directory
+    try:
+        return _train(cfg, out, resume, progress, stop_after, mesh, cache_dir)
+    finally:
+        lock.release()
+
+
+def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after, mesh,
+           cache_dir) -> dict:
+    n_dev = mesh.devices.size
+    is_main = jax.process_index() == 0
     tok = load_tokenizer(cfg.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {cfg.tokenizer} has {tok.vocab_size} ids but the model's "
@@ -130,8 +177,6 @@ def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True
     cache_dir = cache_dir or os.path.join(out, "..", ".token_cache")
     tokens = data_lib.tokenize(cfg.data, tok, cache_dir, progress and is_main)
     data = data_lib.PackedData(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.holdout)
-    if is_main:
-        _record_data(out, data, data_lib.token_cache_path(cfg.data, tok, cache_dir))
 
     # The state's shardings: parameters by the logical-axes table, optimizer moments likewise
     # (they mirror the parameters), scalars replicated.
@@ -140,6 +185,9 @@ def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True
     state_shardings = _state_shardings(mesh, abstract, p_shard)
     state = jax.jit(lambda: init_state(cfg, jax.random.key(cfg.seed)),
                     out_shardings=state_shardings)()
+    if is_main:  # everything the config names has been built: the run may claim the directory
+        _write_config(out, cfg)
+        _record_data(out, data, data_lib.token_cache_path(cfg.data, tok, cache_dir))
     ckpt = Checkpoints(os.path.join(out, "checkpoints"), cfg.keep)
     start = 0
     latest = ckpt.latest()
@@ -147,9 +195,8 @@ def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True
         if not resume:
             raise ValueError(f"{out} already holds checkpoints (latest step {latest}); resume it "
                              f"or choose a new --out")
-        state, dstate = ckpt.restore(latest, state)
+        state, dstate, start = ckpt.restore_newest_good(state)
         data.restore(dstate)
-        start = latest
     metrics_path = os.path.join(out, METRICS_FILE)
     if is_main:
         _truncate_metrics(metrics_path, start)

@@ -110,6 +110,17 @@ class ModelConfig:
         choice("sink", SINKS)
         if isinstance(self.rope_scaling, dict):  # from JSON
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "max_seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("head_dim", "embed_dim", "sliding_window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer (0: derived), got {v!r}")
+        if not (self.norm_eps > 0 and self.init_std > 0 and self.rope_theta > 0):
+            raise ValueError("norm_eps, init_std and rope_theta must be > 0")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError(

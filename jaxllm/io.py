@@ -309,6 +309,8 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
         from safetensors.numpy import load_file
         try:
             flat = load_file(w_path)
+        except PermissionError:
+            raise ValueError(f"cannot read {w_path}: permission denied") from None
         except SafetensorError as e:
             raise ValueError(f"{w_path} is not a valid safetensors file ({e})") from None
         check_params(cfg, flat, w_path, quant)

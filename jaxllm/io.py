@@ -307,10 +307,10 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
                                     f"jaxllm.save_model)")
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
+        if not os.access(w_path, os.R_OK):  # safetensors reports this as "No such file"
+            raise ValueError(f"cannot read {w_path}: permission denied")
         try:
             flat = load_file(w_path)
-        except PermissionError:
-            raise ValueError(f"cannot read {w_path}: permission denied") from None
         except SafetensorError as e:
             raise ValueError(f"{w_path} is not a valid safetensors file ({e})") from None
         check_params(cfg, flat, w_path, quant)

@@ -12,21 +12,19 @@ import contextlib
 import json
 import os
 import re
-import shutil
 from typing import Callable, Iterator
 
 import jax
 import numpy as np
 
+from jaxllm import tree
 from jaxllm.config import ModelConfig
-from jaxllm.io import atomic_dir, check_params, flatten_tree, unflatten_tree
+from jaxllm.io import ModelReader, atomic_dir, check_params
+from jaxllm.tokenizer import copy_tokenizer
 
 from .families import ALIASES, BASE_PREFIX, NAMES, UnsupportedModel, config_from_hf, config_to_hf
 
 CONFIG = "config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "generation_config.json")
 # Buffers some checkpoints carry that are not parameters (recomputed by every implementation).
 _BUFFERS = re.compile(r"(\.inv_freq|\.masked_bias|attention\.bias|\.rotary_emb\..*)$")
 
@@ -38,10 +36,6 @@ def is_hf_dir(path: str) -> bool:
             return "model_type" in json.load(f)
     except (OSError, ValueError):
         return False
-
-
-def has_tokenizer(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES[:4])
 
 
 # ---- reading tensors ----------------------------------------------------------------------------
@@ -190,7 +184,7 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
                 flat[path] = np.ascontiguousarray(v, dtype=dtype)
     # the name map must fill exactly the model's parameters, each with the model's shape
     check_params(cfg, flat, f"the {cfg.family} name map", {})
-    return cfg, jax.tree.map(jax.numpy.asarray, unflatten_tree(flat))
+    return cfg, jax.tree.map(jax.numpy.asarray, tree.unflatten(flat))
 
 
 def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None = None,
@@ -202,7 +196,7 @@ def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None =
     hf_cfg = config_to_hf(cfg)
     if is_quantized(params):
         raise ValueError("these params are int8 (jaxllm quantize); export the float model")
-    flat = flatten_tree(jax.device_get(params))
+    flat = tree.flatten(jax.device_get(params))
     tensors = {}
     entries = NAMES[cfg.family](cfg)
     if progress:
@@ -219,6 +213,9 @@ def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None =
             json.dump(hf_cfg, f, indent=2)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         if tokenizer_dir:
-            for name in TOKENIZER_FILES:
-                if os.path.exists(os.path.join(tokenizer_dir, name)):
-                    shutil.copy(os.path.join(tokenizer_dir, name), tmp)
+            copy_tokenizer(tokenizer_dir, tmp)
+
+
+# What lets jaxllm.load_model read a Hugging Face directory: registered under the
+# "jaxllm.model_readers" entry point (pyproject.toml), so jaxllm never imports this package.
+READER = ModelReader(name="Hugging Face", detect=is_hf_dir, load=from_hf)

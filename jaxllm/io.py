@@ -11,45 +11,27 @@ the train package) and ``embedded-sink`` (its learnable-sink twin); see jaxllm/m
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
 import tempfile
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import tree
 from .config import PRESETS, ModelConfig
 from .model import init_params
 from .quant import from_plain, to_plain
-from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from .tokenizer import (ByteTokenizer, Tokenizer, copy_tokenizer, has_tokenizer,
+                        load_tokenizer)
 
 CONFIG, WEIGHTS, ORBAX_DIR, TOKENIZER_DIR = "config.json", "model.safetensors", "params", "tokenizer"
 FORMATS = ("safetensors", "orbax")
-
-
-def flatten_tree(tree, prefix=""):
-    """Nested dicts -> {'a/b/c': leaf}."""
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        out.update(flatten_tree(v, name + "/") if isinstance(v, dict) else {name: v})
-    return out
-
-
-def unflatten_tree(flat):
-    """{'a/b/c': leaf} -> nested dicts."""
-    tree = {}
-    for name, arr in flat.items():
-        node = tree
-        *path, leaf = name.split("/")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[leaf] = arr
-    return tree
 
 
 MARKER = ".jaxllm-written"  # in every directory atomic_dir writes: the sign it may be replaced
@@ -169,11 +151,7 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
     with atomic_dir(path, overwrite, sources) as tmp:
         tok_entry = tokenizer
         if tokenizer not in ("byte", None):
-            from convert.hf import TOKENIZER_FILES
-            os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
-            for name in TOKENIZER_FILES:
-                if os.path.exists(os.path.join(tokenizer, name)):
-                    shutil.copy(os.path.join(tokenizer, name), os.path.join(tmp, TOKENIZER_DIR))
+            copy_tokenizer(tokenizer, os.path.join(tmp, TOKENIZER_DIR))
             tok_entry = TOKENIZER_DIR
         plain, quant = to_plain(params)
         meta = {"model": cfg.to_dict(), "tokenizer": tok_entry, "format": format}
@@ -187,7 +165,7 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
                 ckpt.save(os.path.join(tmp, ORBAX_DIR), plain)
         else:
             from safetensors.numpy import save_file
-            flat = {k: np.asarray(v) for k, v in flatten_tree(jax.device_get(plain)).items()}
+            flat = {k: np.asarray(v) for k, v in tree.flatten(jax.device_get(plain)).items()}
             save_file(flat, os.path.join(tmp, WEIGHTS))
 
 
@@ -207,7 +185,7 @@ def read_json(path: str):
 
 def check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None:
     """Names and shapes against the config (an int8 node's ``q`` has its float kernel's shape)."""
-    expect = flatten_tree(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    expect = tree.flatten(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
     flat = dict(flat)
     for path in quant:
         for extra in ("scale", "act_scale"):
@@ -261,6 +239,35 @@ def embedded_path(name: str) -> str:
     return path
 
 
+class ModelReader(NamedTuple):
+    """A kind of model directory :func:`load_model` reads besides its own: ``detect(path)``
+    says whether a directory is one, ``load(path)`` returns ``(cfg, params)``.
+
+    Readers are registered under the ``jaxllm.model_readers`` entry-point group (the convert
+    package registers Hugging Face directories in pyproject.toml), so the loader finds them
+    without importing the packages that provide them: imports only ever run from convert down
+    to jaxllm."""
+
+    name: str
+    detect: Callable[[str], bool]
+    load: Callable[[str], tuple]
+
+
+READER_GROUP = "jaxllm.model_readers"
+
+
+@functools.cache
+def model_readers() -> tuple[ModelReader, ...]:
+    """The registered readers (loaded once)."""
+    from importlib.metadata import entry_points
+    return tuple(ep.load() for ep in entry_points(group=READER_GROUP))
+
+
+def reader_for(path: str) -> Optional[ModelReader]:
+    """The reader of a directory in a foreign format (e.g. Hugging Face), or None."""
+    return next((r for r in model_readers() if r.detect(path)), None)
+
+
 def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
     """``(cfg, params, tokenizer)`` from a jaxllm model directory, a Hugging Face directory,
     ``embedded`` / ``embedded-sink`` or ``random:PRESET[:SEED]``. ``tokenizer`` is None when none ships with the model.
@@ -277,10 +284,9 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
         raise FileNotFoundError(f"--model {spec!r}: not a directory; give a jaxllm model "
                                 f"directory, a Hugging Face model directory, "
                                 f"{' or '.join(EMBEDDED)}, or random:PRESET")
-    from convert.hf import has_tokenizer, is_hf_dir
-    if is_hf_dir(spec):
-        from convert.hf import from_hf
-        cfg, params = from_hf(spec)
+    reader = reader_for(spec)
+    if reader is not None:
+        cfg, params = reader.load(spec)
         tok = load_tokenizer(spec) if has_tokenizer(spec) else None
         return cfg, _place(params, sharding), tok
     cfg_path = os.path.join(spec, CONFIG)
@@ -288,6 +294,10 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
         raise FileNotFoundError(f"{cfg_path} is missing: a jaxllm model directory holds {CONFIG} "
                                 f"and its weights (write one with jaxllm.save_model)")
     meta = read_json(cfg_path)
+    if isinstance(meta, dict) and "model_type" in meta and "model" not in meta:
+        raise ValueError(f"{spec} is a Hugging Face model directory, but no reader for it is "
+                         f"registered (entry-point group {READER_GROUP!r}): install jaxllm as "
+                         f"a package (pip install -e .) so the convert package's reader is found")
     if not isinstance(meta, dict) or "model" not in meta:
         raise ValueError(f"{cfg_path} is neither a jaxllm config (no 'model' key) nor a Hugging "
                          f"Face one (no 'model_type')")
@@ -299,7 +309,7 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
     quant = meta.get("quant", {})
     if fmt == "orbax":
         params = _restore_orbax(os.path.join(spec, ORBAX_DIR), sharding)
-        check_params(cfg, flatten_tree(params), os.path.join(spec, ORBAX_DIR), quant)
+        check_params(cfg, tree.flatten(params), os.path.join(spec, ORBAX_DIR), quant)
     else:
         w_path = os.path.join(spec, WEIGHTS)
         if not os.path.exists(w_path):
@@ -314,7 +324,7 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
         except SafetensorError as e:
             raise ValueError(f"{w_path} is not a valid safetensors file ({e})") from None
         check_params(cfg, flat, w_path, quant)
-        params = _place(unflatten_tree(flat), sharding)
+        params = _place(tree.unflatten(flat), sharding)
     params = from_plain(params, quant)
     tok_spec = meta.get("tokenizer", "byte")
     if tok_spec is None:  # none shipped; one may have been copied in since

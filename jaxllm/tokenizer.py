@@ -14,13 +14,35 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+# The files a Hugging Face tokenizer directory may hold (the first four identify one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "generation_config.json")
+
+
+def has_tokenizer(path: str) -> bool:
+    """A directory holding a Hugging Face tokenizer's files."""
+    return any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES[:4])
+
+
+def copy_tokenizer(src: str, dst: str) -> None:
+    """Copy the tokenizer files of ``src`` into the directory ``dst`` (made if missing)."""
+    import shutil
+    os.makedirs(dst, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), dst)
+
+
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; 256 = BOS, 257 = EOS, 258 = PAD, 259 = SINK (the learnable
-    sink placeholder of sink-token pre-training). Models use a vocab of 264 (padded to 8)."""
+    """UTF-8 bytes are ids 0..255; 256 = BOS, 257 = EOS, 258 = PAD; 259..263 are unused (the
+    vocabulary is padded to 264, a multiple of 8). A learnable-sink model's sink token is not
+    one of these: it is id ``vocab_size`` (= 264), an extra embedding row (ModelConfig.sink_id).
+    """
 
     name = "byte"
     vocab_size = 264
-    bos_id, eos_id, pad_id, sink_id = 256, 257, 258, 259
+    bos_id, eos_id, pad_id = 256, 257, 258
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

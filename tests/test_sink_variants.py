@@ -10,7 +10,7 @@ from conftest import LLAMA, NEOX
 from reference import naive_logits
 
 import jaxllm
-from jaxllm.io import flatten_tree
+from jaxllm import tree
 from jaxllm.ppl import PplConfig, stream_score
 
 
@@ -31,9 +31,9 @@ def test_zero_sink_equals_prepended_zero_key_value(base):
 
 
 def test_learnable_sink_adds_exactly_one_embedding_row():
-    plain = flatten_tree(jax.eval_shape(lambda: jaxllm.init_params(NEOX, jax.random.key(0))))
+    plain = tree.flatten(jax.eval_shape(lambda: jaxllm.init_params(NEOX, jax.random.key(0))))
     cfg = dataclasses.replace(NEOX, sink="learnable")
-    sink = flatten_tree(jax.eval_shape(lambda: jaxllm.init_params(cfg, jax.random.key(0))))
+    sink = tree.flatten(jax.eval_shape(lambda: jaxllm.init_params(cfg, jax.random.key(0))))
     assert sink.keys() == plain.keys()
     diff = {k: (plain[k].shape, sink[k].shape) for k in plain if plain[k].shape != sink[k].shape}
     assert diff == {"embed/embedding": ((64, 32), (65, 32))}

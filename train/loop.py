@@ -259,13 +259,12 @@ def _state_shardings(mesh, abstract, p_shard):
     """Shardings for the whole state: each optimizer leaf shaped like a parameter takes that
     parameter's sharding (Adam's moments), everything else is replicated."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxllm.io import flatten_tree
-    by_path = flatten_tree(p_shard)
+    from jaxllm import tree
+    by_path = tree.flatten(p_shard)
     replicated = NamedSharding(mesh, P())
 
     def for_leaf(path, leaf):
-        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-        name = "/".join(str(k) for k in keys if isinstance(k, str))
+        name = tree.keypath_str(path)
         for p, s in by_path.items():
             if name == p or name.endswith("/" + p):
                 return s

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm.io import flatten_tree, unflatten_tree
+from jaxllm import tree
 
 MESH_AXES = ("data", "fsdp")
 RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "vocab": None, "heads": None, "mlp": None}
@@ -63,8 +63,8 @@ def spec(mesh: Mesh, axes: tuple, shape: tuple) -> P:
 
 def param_shardings(mesh: Mesh, params) -> dict:
     """A NamedSharding for every parameter (a pytree matching ``params``)."""
-    flat = flatten_tree(params)
-    return unflatten_tree({k: NamedSharding(mesh, spec(mesh, logical_axes(k, v.ndim), v.shape))
+    flat = tree.flatten(params)
+    return tree.unflatten({k: NamedSharding(mesh, spec(mesh, logical_axes(k, v.ndim), v.shape))
                            for k, v in flat.items()})
 
 

@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _record import record  # noqa: E402
 
 import jaxllm  # noqa: E402
-from jaxllm.model import _forward  # noqa: E402
+from jaxllm.model import apply  # noqa: E402
+from jaxllm.policy import CachePolicy  # noqa: E402
 
 
 def bandwidth_line() -> str:
@@ -50,11 +51,12 @@ def main():
     a = ap.parse_args()
     cfg = jaxllm.PRESETS[a.preset]
     params = jaxllm.init_params(cfg, jax.random.key(0))
-    step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
+    step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
     lines = ["| batch | cache | K+V cache (MiB) | ms/step | tokens/s | cache bytes / step time |",
              "|---:|---|---:|---:|---:|---:|"]
+    pc = CachePolicy("streaming", a.sinks, a.cache)
     for B in [int(b) for b in a.batch.split(",")]:
-        cache = jaxllm.init_cache(cfg, B, a.sinks, a.cache - a.sinks)
+        cache = pc.make_cache(cfg, B, 0)
         tok, lens = jnp.ones((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)
         for _ in range(3):
             logits, cache = step(params, tokens=tok, cache=cache, lens=lens)
@@ -65,7 +67,7 @@ def main():
         logits.block_until_ready()
         ms = (time.perf_counter() - t0) / a.steps * 1e3
         mib = sum(x.nbytes for x in cache.k + cache.v) / 2**20
-        lines.append(f"| {B} | {a.sinks}+{a.cache - a.sinks} | {mib:.0f} | {ms:.2f} | "
+        lines.append(f"| {B} | {pc.label} | {mib:.0f} | {ms:.2f} | "
                      f"{B * 1e3 / ms:.0f} | {mib / 1024 / (ms / 1e3):.1f} GB/s |")
     table = "\n".join(lines) + "\n\n" + bandwidth_line()
     record(f"Decode step, {a.preset} (random weights), StreamingLLM cache", table, dry=a.no_record)

@@ -31,7 +31,8 @@ def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int,
     import jax.numpy as jnp
 
     import jaxllm
-    from jaxllm.model import _forward
+    from jaxllm.model import apply
+    from jaxllm.policy import CachePolicy
     cfg, params, _ = jaxllm.load_model(model)
     if dtype == "bfloat16":  # weights, compute and KV cache in bfloat16
         import dataclasses
@@ -39,8 +40,8 @@ def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int,
         params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     cache_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     tok, lens = jnp.ones((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
-    step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
-    recompute = jax.jit(lambda p, w: _forward(p, cfg, w, None, None)[0][:, -1])
+    step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
+    recompute = jax.jit(lambda p, w: apply(p, cfg, w)[0][:, -1])
     window = jnp.ones((1, L), jnp.int32)
 
     def filled(cache, n):  # 256-token chunks: no [L, L] prefill in the way
@@ -51,10 +52,9 @@ def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int,
 
     # streaming: a full 4 + (L - 4) ring, as after a long stream; dense: filled so that the
     # warm-up and every round decode within its L slots.
-    state = {"streaming": filled(jaxllm.init_cache(cfg, 1, sinks=4, window=L - 4,
-                                                   dtype=cache_dtype), L),
-             "dense": filled(jaxllm.init_cache(cfg, 1, sinks=0, window=L, evict=False,
-                                               dtype=cache_dtype),
+    state = {"streaming": filled(CachePolicy("streaming", 4, L).make_cache(cfg, 1, 0, cache_dtype),
+                                 L),
+             "dense": filled(CachePolicy("dense", 0, L).make_cache(cfg, 1, L, cache_dtype),
                              L - (rounds + 1) * tokens - 1),
              "recompute": None}
     memory = {m: step.lower(params, tokens=tok, cache=state[m], lens=lens).compile()
@@ -87,26 +87,21 @@ def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int,
 
 
 def plot(rows, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
-    for method in ("recompute", "dense", "streaming"):
-        r = [x for x in rows if x["method"] == method]
-        a1.plot([x["cache"] for x in r], [x["ms_per_token"] for x in r], marker="o", label=method)
-        a2.plot([x["cache"] for x in r], [x["step_memory_mib"] for x in r], marker="o",
-                label=method)
-    a1.set_yscale("log")
-    a1.set_ylabel("ms per token")
-    a2.set_ylabel("step memory (MiB)")
-    for a in (a1, a2):
-        a.set_xlabel("cache size")
-        a.set_xscale("log", base=2)
-        a.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from jaxllm.plots import figure
+    with figure(path, title, size=(9, 3.4), ncols=2, data=rows) as (a1, a2):
+        for method in ("recompute", "dense", "streaming"):
+            r = [x for x in rows if x["method"] == method]
+            a1.plot([x["cache"] for x in r], [x["ms_per_token"] for x in r], marker="o",
+                    label=method)
+            a2.plot([x["cache"] for x in r], [x["step_memory_mib"] for x in r], marker="o",
+                    label=method)
+        a1.set_yscale("log")
+        a1.set_ylabel("ms per token")
+        a2.set_ylabel("step memory (MiB)")
+        for a in (a1, a2):
+            a.set_xlabel("cache size (tokens)")
+            a.set_xscale("log", base=2)
+            a.legend(fontsize=8)
 
 
 def main():

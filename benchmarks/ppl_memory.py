@@ -39,8 +39,8 @@ def main():
     lines = ["| tokens | method | cache | ppl | tokens/s | peak RSS (MiB) | vs first |",
              "|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['tokens_scored'] + 1} | {r['method']} | {r['sinks']}+"
-                     f"{r['cache'] - r['sinks']} | {r['ppl']:.3f} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['tokens_scored'] + 1} | {r['method']} | {r['label']} | "
+                     f"{r['ppl']:.3f} | {r['tokens_per_s']:.0f} | "
                      f"{r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] / base:.3f}x |")
     table = "\n".join(lines)
     worst = max(r["peak_rss_mb"] for r in rows) / base

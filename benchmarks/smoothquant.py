@@ -26,7 +26,7 @@ from _record import record  # noqa: E402
 import jaxllm  # noqa: E402
 from jaxllm import smoothquant as sq  # noqa: E402
 from jaxllm.corpus import builtin_corpus  # noqa: E402
-from jaxllm.model import Transformer  # noqa: E402
+from jaxllm.model import apply  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "bench_out")
 
@@ -43,7 +43,7 @@ def train_small(ids: np.ndarray, steps: int, seq: int = 256, batch: int = 16):
     state = opt.init(params)
 
     def loss_fn(p, x):
-        logits, _ = Transformer(cfg).apply({"params": p}, x[:, :-1], None, None)
+        logits, _ = apply(p, cfg, x[:, :-1])
         logp = jax.nn.log_softmax(logits)
         return -jnp.take_along_axis(logp, x[:, 1:, None], -1).mean()
 
@@ -161,7 +161,7 @@ def speed(a) -> tuple[str, str]:
                 res[name] = B * a.decode_tokens / _time(run, 3)
             lines.append(f"| decode tokens/s (StreamingLLM 4+{window}) | {B} | {res['f32']:.1f} |"
                          f" {res['int8']:.1f} | {res['int8'] / res['f32']:.2f}x |")
-    fwd = jax.jit(lambda p, t: jaxllm.model._forward(p, cfg, t, None, None)[0])
+    fwd = jax.jit(lambda p, t: apply(p, cfg, t)[0])
     for B in (1, 8):
         toks = jnp.asarray(ids[: B * 512].reshape(B, 512))
         res = {n: B * 512 / _time(lambda p=p: fwd(p, toks), 3) for n, p in (("f32", params),

@@ -40,11 +40,13 @@ def main():
 
     import jaxllm
     from jaxllm.corpus import builtin_corpus
+    from jaxllm.policy import CachePolicy
     from jaxllm.ppl import _nll_chunk
     cfg, params, tok = jaxllm.load_model(a.model)
     base = np.asarray(tok.encode(builtin_corpus()), np.int32)
     ids = np.resize(base, a.tokens + 1)  # the corpus repeated
-    cache = jaxllm.init_cache(cfg, 1, sinks=a.sinks, window=a.cache - a.sinks)
+    pc = CachePolicy("streaming", a.sinks, a.cache)
+    cache = pc.make_cache(cfg, 1, 0)
     rows, acc, n_in, nan = [], 0.0, 0, 0
     t0 = time.perf_counter()
     C, B = a.chunk, a.bucket
@@ -68,7 +70,7 @@ def main():
     spread = float((rss[min(2, len(rss) - 1):].max() - ref) / ref)
     ppl = np.asarray([r["ppl"] for r in rows])
     half = len(ppl) // 2
-    summary = {"model": a.model, "tokens": a.tokens, "cache": f"{a.sinks}+{a.cache - a.sinks}",
+    summary = {"model": a.model, "tokens": a.tokens, "cache": f"{pc.sinks}+{pc.window}",
                "nan": nan, "rss_first_mb": float(ref), "rss_max_mb": float(rss.max()),
                "rss_growth": spread, "ppl_first_half": float(np.mean(ppl[:half])),
                "ppl_second_half": float(np.mean(ppl[half:])),
@@ -76,19 +78,15 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "soak.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 4.6), sharex=True)
-    a1.plot([r["end"] for r in rows], ppl)
-    a1.set_ylabel(f"ppl per {B // 1000}K")
-    a2.plot([r["end"] for r in rows], rss)
-    a2.set_ylabel("RSS (MiB)")
-    a2.set_xlabel("tokens streamed")
-    fig.suptitle(f"{a.model}: {a.tokens:,} tokens through StreamingLLM {summary['cache']}",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "soak.png"), dpi=110)
+    from jaxllm.plots import figure
+    with figure(os.path.join(OUT, "soak.png"), f"{a.model}: {a.tokens:,} tokens through "
+                f"StreamingLLM {summary['cache']}", size=(7, 4.6), nrows=2,
+                sharex=True) as (a1, a2):
+        a1.plot([r["end"] for r in rows], ppl)
+        a1.set_ylabel(f"ppl per {B // 1000}K tokens")
+        a2.plot([r["end"] for r in rows], rss)
+        a2.set_ylabel("RSS (MiB)")
+        a2.set_xlabel("tokens streamed")
     table = ("| tokens | cache | NaN | RSS after warm-up | RSS max | growth | ppl 1st half | "
              "ppl 2nd half | tokens/s |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
              f"| {a.tokens:,} | {summary['cache']} | {nan} | {ref:.0f} MiB | {rss.max():.0f} MiB "

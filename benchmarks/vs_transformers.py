@@ -45,7 +45,7 @@ def main():
 
     import convert
     import jaxllm
-    from jaxllm.model import _forward
+    from jaxllm.model import apply
     c = jaxllm.PRESETS["pythia-160m"]
     torch.manual_seed(0)
     hf = tf.AutoModelForCausalLM.from_config(tf.GPTNeoXConfig(
@@ -60,7 +60,7 @@ def main():
         params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
         cache_dtype = jnp.bfloat16
     rng = np.random.default_rng(0)
-    fwd = jax.jit(lambda p, t: _forward(p, cfg, t, None, None)[0])
+    fwd = jax.jit(lambda p, t: apply(p, cfg, t)[0])
     lines = ["| measure | batch | transformers (torch) | jaxllm | jaxllm / transformers |",
              "|---|---:|---:|---:|---:|"]
     ratios, speed = {}, {}

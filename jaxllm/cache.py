@@ -24,7 +24,7 @@ and key positions, the in-cache positions reduce to two cases, both computed fro
   ``min(t, S+W-1)`` and the sink keys at ``j``.
 
 A chunk longer than the window is fed in blocks of ``W`` tokens inside the same jit
-(``model._forward``), so chunk offsets, too, stay below ``W``: no rotated position leaves
+(``model.apply``), so chunk offsets, too, stay below ``W``: no rotated position leaves
 ``[-W, S+W)`` however long the prompt.
 
 So no absolute stream position ever enters the arithmetic: the counters are ``length`` (filled
@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
@@ -90,6 +91,16 @@ def available_bytes():
     except OSError:
         pass
     return None
+
+
+def check_room(cache: KVCache, need) -> None:
+    """A dense cache (``evict=False``) must hold what is written to it: ``need`` [B] tokens per
+    row (concrete). Streaming caches evict, so they always have room."""
+    need = np.asarray(need)
+    if not cache.evict and (need > cache.capacity).any():
+        raise ValueError(f"dense cache overflow: a row would hold {int(need.max())} tokens but "
+                         f"the cache has {cache.capacity} slots; make a larger dense cache or "
+                         f"use a streaming cache (init_cache(cfg, B, sinks=4, window=W))")
 
 
 def _as_int(x, name: str) -> int:
@@ -176,9 +187,10 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     ring_mask = (d <= ring_count)[:, None, :] & (c[:, :, None] + d[:, None, :] <= W - 1)
 
     # Chunk tokens: non-sinks are attended to through the rest part, within the window.
-    cp = c  # [1, T] key offsets c'
-    nonsink = (length + cp >= S) & (cp < lens)  # [B, T]
-    causal = (cp[:, None, :] <= c[:, :, None]) & (c[:, :, None] - cp[:, None, :] <= W - 1)
+    # Chunk keys have the same offsets as chunk queries: c (a query, axis -2 of the masks) and
+    # c' (a key, last axis) below are both `c`.
+    nonsink = (length + c >= S) & (c < lens)  # [B, T]
+    causal = (c[:, None, :] <= c[:, :, None]) & (c[:, :, None] - c[:, None, :] <= W - 1)
     chunk_mask = nonsink[:, None, :] & causal  # [B, T, T]
 
     # The ring part spans the whole cache, sink slots masked out (they are scored separately, at
@@ -191,19 +203,19 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     # Writes: the sinks are set from sink_from_chunk; of the non-sink tokens only the last W of
     # the chunk survive it, and those have distinct ring slots (so the scatter is deterministic).
     n_sink_in_chunk = jnp.maximum(S - length, 0)  # [B, 1]
-    rank = cp - n_sink_in_chunk  # index among this chunk's non-sink tokens
-    kept = nonsink & (lens - cp <= W)
+    rank = c - n_sink_in_chunk  # index among this chunk's non-sink tokens
+    kept = nonsink & (lens - c <= W)
     # Chunk tokens that become sinks go to their own slot (length + c' < S) in the same scatter,
     # so each layer's cache is written once per chunk (a separate sink update made XLA copy it).
-    new_sink = (length + cp < S) & (cp < lens)
+    new_sink = (length + c < S) & (c < lens)
     write_slot = jnp.where(kept, S + jnp.mod(head + rank, W),
-                           jnp.where(new_sink, length + cp, S + W))
+                           jnp.where(new_sink, length + c, S + W))
     n_nonsink = jnp.maximum(lens - n_sink_in_chunk, 0)
     new_head = jnp.mod(head + n_nonsink, W)[:, 0]
     new_length = jnp.minimum(length + lens, S + W)[:, 0]
     overflow = (length + lens > S + W)[:, 0] if not cache.evict else jnp.zeros((B,), bool)
     return ChunkLayout(sink_from_chunk, sink_chunk_idx, sink_mask, sink_q_pos, rest_mask,
-                       ring_k_pos, jnp.broadcast_to(cp, (B, T)), rest_q_pos, write_slot,
+                       ring_k_pos, jnp.broadcast_to(c, (B, T)), rest_q_pos, write_slot,
                        new_length, new_head, overflow)
 
 

@@ -16,7 +16,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from .ppl import PplConfig, stream_score
+from .policy import CachePolicy
+from .ppl import stream_score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +31,19 @@ class DemoConfig:
     temperature: float = 0.7  # sampled (top-k 40, fixed seed): greedy decoding of a small
     top_k: int = 40           # byte model loops on one phrase
 
+    def policies(self) -> list[CachePolicy]:
+        """The rows of the table: dense, window, StreamingLLM and recompute."""
+        S, C = self.sinks, self.cache
+        return [CachePolicy("dense", 0, C), CachePolicy("window", 0, C),
+                CachePolicy("streaming", S, C), CachePolicy("recompute", S, C)]
 
-def _run(params, cfg, ids, pc: PplConfig, desc: str) -> tuple[np.ndarray, dict]:
+    @property
+    def generation_policy(self) -> CachePolicy:
+        """The cache the sample continuation streams through (smaller than its prompt)."""
+        return CachePolicy("streaming", self.sinks, min(64, self.cache))
+
+
+def _run(params, cfg, ids, pc: CachePolicy, desc: str) -> tuple[np.ndarray, dict]:
     # Compile first, so the stream alone is timed (a dense cache's shape is the stream's length,
     # so only the whole stream compiles the same program).
     stream_score(params, cfg, ids if pc.method == "dense" else ids[:2 * pc.cache + 2], pc)
@@ -50,30 +62,26 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
              out_dir: str) -> dict:
     """``models``: label -> (cfg, params, tokenizer); ``ids`` the stream, ``calib_ids`` other
     text for SmoothQuant's calibration. Returns (and writes) the results."""
-    from .cache import init_cache
     from .generate import SamplingConfig, generate
     os.makedirs(out_dir, exist_ok=True)
-    S, C = dc.sinks, dc.cache
     rows, curves, contexts = [], {}, {}
     for label, (cfg, params, tok) in models.items():
         contexts[label] = cfg.max_seq_len
-        plans = [("dense", PplConfig("dense", 0, C)), (f"window 0+{C}", PplConfig("window", 0, C)),
-                 (f"StreamingLLM {S}+{C - S}", PplConfig("streaming", S, C)),
-                 (f"recompute {S}+{C - S}", PplConfig("recompute", S, C))]
-        for name, pc in plans:
-            nll, r = _run(params, cfg, ids, pc, f"{label}: {name}")
-            rows.append({"model": label, "method": name, **r})
-            curves[f"{label}: {name}"] = nll
+        for pc in dc.policies():
+            nll, r = _run(params, cfg, ids, pc, f"{label}: {pc.label}")
+            rows.append({"model": label, "method": pc.label, **r})
+            curves[f"{label}: {pc.label}"] = nll
         if dc.int8:
             from .smoothquant import CalibConfig, quantize
             q = quantize(params, cfg, calib_ids, "o1", calib=CalibConfig(n_seqs=32, seq_len=256,
                                                                    heldout_seqs=0))
-            nll, r = _run(q, cfg, ids, PplConfig("streaming", S, C), f"{label}: INT8 streaming")
-            rows.append({"model": label, "method": f"StreamingLLM {S}+{C - S}, INT8 O1", **r})
+            pc = dc.policies()[2]
+            nll, r = _run(q, cfg, ids, pc, f"{label}: INT8 streaming")
+            rows.append({"model": label, "method": f"{pc.label}, INT8 O1", **r})
             curves[f"{label}: INT8 StreamingLLM"] = nll
     gens = {}
     for label, (cfg, params, tok) in models.items():
-        cache = init_cache(cfg, 1, sinks=S, window=min(64, C) - S)
+        cache = dc.generation_policy.make_cache(cfg, 1, 0)
         prompt = np.asarray([tok.encode(dc.prompt)], np.int32)
         res = generate(params, cfg, prompt, cache, SamplingConfig(
             max_new_tokens=dc.new_tokens, temperature=dc.temperature, top_k=dc.top_k),
@@ -101,38 +109,31 @@ def plot_curves(curves: dict, path: str, dc: DemoConfig, contexts: Optional[dict
     """Running-mean NLL against position, one panel per model ("model: method" keys; keys
     without a model go in one panel), one line per method (StreamingLLM Fig. 3). The cache size
     and each model's training context are marked; curves that coincide say so in the legend."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plots import figure, running_mean
     panels: dict = {}
     for name, nll in curves.items():
         model, sep, method = name.partition(": ")
         panels.setdefault(model if sep else "", {})[method if sep else name] = nll
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.4), squeeze=False,
-                             sharey=True)
-    for ax, (model, lines) in zip(axes[0], panels.items()):
-        drawn: list = []
-        for method, nll in lines.items():
-            same = [m for m in drawn if coincide(lines[m], nll)]
-            k = min(smooth, len(nll))
-            y = np.convolve(nll, np.ones(k) / k, "valid")
-            ax.plot(np.arange(k, len(nll) + 1), y, lw=1.3,
-                    label=method + (f" (= {same[0]}, hidden under it)" if same else ""),
-                    ls="--" if "recompute" in method else "-")
-            drawn.append(method)
-        ax.axvline(dc.cache, color="gray", lw=0.8, ls=":", label=f"cache size {dc.cache}")
-        ctx = (contexts or {}).get(model)
-        if ctx and ctx < max(len(v) for v in lines.values()):
-            ax.axvline(ctx, color="black", lw=0.8, ls="-.", label=f"training context {ctx}")
-        ax.set_xlabel("position in stream (tokens)")
-        ax.set_title(model or "cache policies", fontsize=10)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel(f"NLL (nats per {unit}), mean of the last {smooth}")
-    fig.suptitle("the embedded corpus through each cache policy (StreamingLLM Fig. 3)",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, "the embedded corpus through each cache policy (StreamingLLM Fig. 3)",
+                size=(6.5 * len(panels), 4.4), ncols=len(panels), squeeze=False,
+                sharey=True) as axes:
+        for ax, (model, lines) in zip(axes[0], panels.items()):
+            drawn: list = []
+            for method, nll in lines.items():
+                same = [m for m in drawn if coincide(lines[m], nll)]
+                k = min(smooth, len(nll))
+                ax.plot(np.arange(k, len(nll) + 1), running_mean(nll, k), lw=1.3,
+                        label=method + (f" (= {same[0]}, hidden under it)" if same else ""),
+                        ls="--" if "recompute" in method else "-")
+                drawn.append(method)
+            ax.axvline(dc.cache, color="gray", lw=0.8, ls=":", label=f"cache size {dc.cache}")
+            ctx = (contexts or {}).get(model)
+            if ctx and ctx < max(len(v) for v in lines.values()):
+                ax.axvline(ctx, color="black", lw=0.8, ls="-.", label=f"training context {ctx}")
+            ax.set_xlabel("position in stream (tokens)")
+            ax.set_title(model or "cache policies", fontsize=10)
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel(f"NLL (nats per {unit}), mean of the last {smooth}")
 
 
 def format_table(result: dict) -> str:
@@ -145,15 +146,16 @@ def format_table(result: dict) -> str:
 
 def explain(result: dict) -> str:
     """What the table's numbers are and what they show, from the numbers themselves."""
-    dc, unit = result["config"], result.get("unit", "token")
-    S, C = dc["sinks"], dc["cache"]
+    dc, unit = DemoConfig(**result["config"]), result.get("unit", "token")
+    S = dc.sinks
+    dense_p, window_p, stream_p, rec_p = (p.label for p in dc.policies())
     out = [f"ppl: perplexity per {unit} over {result['tokens_scored']} {unit}s of the embedded "
            f"corpus (lower is better); tok/s: scoring speed on this machine; KV MiB: the float32 "
            f"keys and values each method holds."]
     for model, ctx in result["training_context"].items():
         rows = {r["method"]: r["ppl"] for r in result["rows"] if r["model"] == model}
-        dense, window = rows.get("dense"), rows.get(f"window 0+{C}")
-        stream, rec = rows.get(f"StreamingLLM {S}+{C - S}"), rows.get(f"recompute {S}+{C - S}")
+        dense, window = rows.get(dense_p), rows.get(window_p)
+        stream, rec = rows.get(stream_p), rows.get(rec_p)
         line = f"{model} ({ctx}-{unit} training context): "
         parts = []
         if dense is not None and stream is not None and dense > 1.1 * stream:

@@ -8,11 +8,12 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from .cache import KVCache
+from .cache import KVCache, check_room
 from .config import ModelConfig
-from .model import _forward, check_chunk, forward
+from .model import apply, check_chunk, forward
+from .policy import with_sink
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,62 +65,80 @@ def sample_logits(logits: Float[Array, "b v"], key: jax.Array, sc: SamplingConfi
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _sink_first(cfg: ModelConfig, prompt, cache: KVCache, prompt_lengths):
+def _sink_first(cfg: ModelConfig, prompt, cache: KVCache, lens):
     """A learnable-sink model starts every stream with its sink token: rows whose cache is still
     empty get it in front of their prompt (other rows continue their stream unchanged)."""
-    fresh = np.asarray(jax.device_get(cache.length)) == 0  # [B]
-    B, P = prompt.shape
-    lens = np.asarray(jax.device_get(prompt_lengths))
-    shifted = jnp.concatenate([jnp.full((B, 1), cfg.sink_id, jnp.int32), prompt], 1)
-    padded = jnp.concatenate([prompt, jnp.zeros((B, 1), jnp.int32)], 1)
-    return (jnp.where(jnp.asarray(fresh)[:, None], shifted, padded),
-            jnp.asarray(lens + fresh, jnp.int32))
+    fresh = jnp.asarray(np.asarray(jax.device_get(cache.length)) == 0)  # [B]
+    padded = jnp.concatenate([prompt, jnp.zeros((prompt.shape[0], 1), jnp.int32)], 1)
+    return (jnp.where(fresh[:, None], with_sink(cfg, prompt), padded),
+            lens + fresh.astype(jnp.int32))
 
 
-def _check_generate(cfg, prompt, cache, prompt_lengths, sc):
+def _prepare(cfg: ModelConfig, prompt, cache: KVCache, prompt_lengths, sc: SamplingConfig):
+    """Checked ``(prompt, lens)``, the sink token in front where a stream starts, and room in a
+    dense cache for the prompt and every token to be generated (shared by both generators)."""
+    prompt = jnp.asarray(prompt, jnp.int32)
     lens = check_chunk(cfg, prompt, cache, prompt_lengths)
-    lens_np = np.asarray(jax.device_get(lens))
-    if (lens_np < 1).any():
+    if (np.asarray(jax.device_get(lens)) < 1).any():
         raise ValueError("every row needs at least one prompt token (prompt_lengths >= 1): the "
                          "first generated token is sampled from the last prompt token's logits")
-    if not cache.evict:
-        need = np.asarray(jax.device_get(cache.length)) + lens_np + sc.max_new_tokens
-        if (need > cache.capacity).any():
-            raise ValueError(f"dense cache overflow: prompt + max_new_tokens needs {int(need.max())}"
-                             f" slots but the cache has {cache.capacity}; use a larger dense cache "
-                             f"or a streaming cache (init_cache(cfg, B, sinks=4, window=W))")
-    return lens
+    if cfg.sink_id is not None:  # one more token to fit (and check) in the cache
+        prompt, lens = _sink_first(cfg, prompt, cache, lens)
+        lens = check_chunk(cfg, prompt, cache, lens)
+    check_room(cache, np.asarray(jax.device_get(cache.length + lens)) + sc.max_new_tokens)
+    return prompt, lens
+
+
+class DecodeState(NamedTuple):
+    """What the decode loop carries from one step to the next (all [B] unless noted)."""
+
+    step: Int[Array, ""]  # index of the next output column
+    token: Int[Array, " b"]  # the last sampled token, to be written to the cache next
+    pending: Bool[Array, " b"]  # the row has a sampled token not yet written to the cache
+    done: Bool[Array, " b"]  # the row emitted EOS
+    count: Int[Array, " b"]  # tokens generated so far
+    out: Int[Array, "b n"]  # generated tokens (padded with eos_id)
+    key: jax.Array
+    cache: KVCache
+
+
+def _still_writing(s: DecodeState) -> Bool[Array, ""]:
+    """The loop's stop condition: every row has written its last sampled token (EOS, the token
+    budget, or both), so the returned cache holds everything generated."""
+    return jnp.any(s.pending)
+
+
+def _decode_step(params, cfg: ModelConfig, sc: SamplingConfig, s: DecodeState) -> DecodeState:
+    """Write each pending token to the cache and sample the next one where the row may go on
+    (not done, budget left). Every sampled token, EOS included, is written, so the returned
+    cache continues the conversation exactly."""
+    N = s.out.shape[1]
+    eos = -1 if sc.eos_id is None else sc.eos_id
+    logits, cache = apply(params, cfg, s.token[:, None], s.cache, s.pending.astype(jnp.int32))
+    key, sub = jax.random.split(s.key)
+    new = sample_logits(logits[:, 0], sub, sc)
+    can = s.pending & ~s.done & (s.step < N)
+    col = jnp.minimum(s.step, N - 1)
+    old = jax.lax.dynamic_index_in_dim(s.out, col, 1, False)
+    out = jax.lax.dynamic_update_index_in_dim(s.out, jnp.where(can, new, old), col, 1)
+    return DecodeState(step=s.step + 1, token=jnp.where(can, new, s.token), pending=can,
+                       done=s.done | (can & (new == eos)), count=s.count + can, out=out,
+                       key=key, cache=cache)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sc"), donate_argnames=("cache",))
 def _generate_jit(params, cfg: ModelConfig, sc: SamplingConfig, prompt, lens, cache, key):
     B, N = prompt.shape[0], sc.max_new_tokens
     eos = -1 if sc.eos_id is None else sc.eos_id
-    logits, cache = _forward(params, cfg, prompt, cache, lens)
+    logits, cache = apply(params, cfg, prompt, cache, lens)
     key, sub = jax.random.split(key)
     tok = sample_logits(logits[jnp.arange(B), lens - 1], sub, sc)
     out = jnp.full((B, N), max(eos, 0), jnp.int32).at[:, 0].set(tok)
-
-    # pending: the row has a sampled token not yet written to the cache. Every sampled token,
-    # EOS included, is written, so the returned cache continues the conversation exactly.
-    init = dict(i=jnp.int32(1), tok=tok, pending=jnp.ones((B,), bool), done=tok == eos,
-                count=jnp.ones((B,), jnp.int32), out=out, key=key, cache=cache)
-
-    def body(s):
-        logits, cache = _forward(params, cfg, s["tok"][:, None], s["cache"],
-                                 s["pending"].astype(jnp.int32))
-        key, sub = jax.random.split(s["key"])
-        new = sample_logits(logits[:, 0], sub, sc)
-        can = s["pending"] & ~s["done"] & (s["i"] < N)
-        col = jax.lax.dynamic_index_in_dim(s["out"], jnp.minimum(s["i"], N - 1), 1, False)
-        out = jax.lax.dynamic_update_index_in_dim(s["out"], jnp.where(can, new, col),
-                                                  jnp.minimum(s["i"], N - 1), 1)
-        return dict(i=s["i"] + 1, tok=jnp.where(can, new, s["tok"]), pending=can,
-                    done=s["done"] | (can & (new == eos)), count=s["count"] + can, out=out,
-                    key=key, cache=cache)
-
-    s = jax.lax.while_loop(lambda s: jnp.any(s["pending"]), body, init)
-    return GenerateResult(s["out"], s["count"], s["cache"])
+    init = DecodeState(step=jnp.int32(1), token=tok, pending=jnp.ones((B,), bool),
+                       done=tok == eos, count=jnp.ones((B,), jnp.int32), out=out, key=key,
+                       cache=cache)
+    s = jax.lax.while_loop(_still_writing, functools.partial(_decode_step, params, cfg, sc), init)
+    return GenerateResult(s.out, s.count, s.cache)
 
 
 def generate(params, cfg: ModelConfig, prompt: Int[Array, "b p"], cache: KVCache,
@@ -133,11 +152,7 @@ def generate(params, cfg: ModelConfig, prompt: Int[Array, "b p"], cache: KVCache
     the prompt and all generated tokens, so the next round of a chat is ``generate(params, cfg,
     next_prompt, result.cache, ...)``.
     """
-    prompt = jnp.asarray(prompt, jnp.int32)
-    lens = _check_generate(cfg, prompt, cache, prompt_lengths, sampling)
-    if cfg.sink_id is not None:  # one more token to fit (and check) in the cache
-        prompt, lens = _sink_first(cfg, prompt, cache, lens)
-        lens = _check_generate(cfg, prompt, cache, lens, sampling)
+    prompt, lens = _prepare(cfg, prompt, cache, prompt_lengths, sampling)
     key = jax.random.key(0) if key is None else key
     return _generate_jit(params, cfg, sampling, prompt, lens, cache, key)
 
@@ -147,11 +162,7 @@ def generate_python(params, cfg: ModelConfig, prompt, cache: KVCache,
                     ) -> GenerateResult:
     """The same algorithm as :func:`generate` as a plain Python loop over :func:`forward`
     (one step at a time, easy to step through in a debugger; also the test oracle)."""
-    prompt = jnp.asarray(prompt, jnp.int32)
-    lens = _check_generate(cfg, prompt, cache, prompt_lengths, sampling)
-    if cfg.sink_id is not None:  # one more token to fit (and check) in the cache
-        prompt, lens = _sink_first(cfg, prompt, cache, lens)
-        lens = _check_generate(cfg, prompt, cache, lens, sampling)
+    prompt, lens = _prepare(cfg, prompt, cache, prompt_lengths, sampling)
     key = jax.random.key(0) if key is None else key
     B, N = prompt.shape[0], sampling.max_new_tokens
     eos = -1 if sampling.eos_id is None else sampling.eos_id

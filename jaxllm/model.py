@@ -12,6 +12,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from . import cache as kvc
 from .config import ModelConfig
+from .policy import check_positions
 from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
 from .rope import Rotation, apply_rope, inv_freq, rotation
 
@@ -96,12 +97,13 @@ class Norm(nn.Module):
         return y.astype(x.dtype)
 
 
-def _attend(scores_parts, value_parts, mask, cfg: ModelConfig, bmm: Optional[QAttention] = None):
+def _attend(scores_parts, value_parts, mask, cfg: ModelConfig,
+            int8_att: Optional[QAttention] = None):
     """softmax over the concatenated key axis, then the weighted sum of values (GQA-aware).
 
     scores_parts: [B, KVH, G, T, L_i] each; value_parts: [B, KVH, L_i, Dh]; mask [B, T, sum L_i].
     Only the (small) scores are concatenated; keys and values stay where they are, so a decode
-    step never copies the cache. ``bmm``: run the probs x values products in INT8.
+    step never copies the cache. ``int8_att``: run the probs x values products in INT8.
     """
     scores = jnp.concatenate(scores_parts, axis=-1) if len(scores_parts) > 1 else scores_parts[0]
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
@@ -111,15 +113,15 @@ def _attend(scores_parts, value_parts, mask, cfg: ModelConfig, bmm: Optional[QAt
                                axis=-1)[..., 1:]
     else:
         probs = jax.nn.softmax(scores, axis=-1)
-    p_scale = absmax_scale(probs, -1, True) if bmm is not None else None  # one per query row
+    p_scale = absmax_scale(probs, -1, True) if int8_att is not None else None  # one per query row
     out, start = 0.0, 0
     for v in value_parts:
         p = probs[..., start:start + v.shape[2]]
         # (XLA:CPU transposes the values here, a pass over V per step. Asking for the product's
         # natural order [B, KVH, G, T, Dh] avoids that but makes it copy the donated cache
         # instead, which costs as much.)
-        if bmm is not None:
-            out = out + pv(p, v.astype(jnp.float32), p_scale, bmm.real)
+        if int8_att is not None:
+            out = out + pv(p, v.astype(jnp.float32), p_scale, int8_att.real)
         else:
             out = out + jnp.einsum("bkgts,bksh->btkgh", p, v.astype(jnp.float32))
         start += v.shape[2]
@@ -127,13 +129,13 @@ def _attend(scores_parts, value_parts, mask, cfg: ModelConfig, bmm: Optional[QAt
     return out.reshape(B, T, cfg.num_heads, cfg.head_dim), probs  # [B, T, H, Dh]
 
 
-def _scores(q, k, cfg: ModelConfig, bmm: Optional[QAttention] = None):
+def _scores(q, k, cfg: ModelConfig, int8_att: Optional[QAttention] = None):
     """q [B, T, H, Dh], k [B, KVH, L, Dh] (head-major) -> [B, KVH, G, T, L] float32, scaled."""
     B, T = q.shape[:2]
     G = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim).astype(jnp.float32)
-    if bmm is not None:
-        return qk_scores(q, k.astype(jnp.float32), bmm.real) / math.sqrt(cfg.head_dim)
+    if int8_att is not None:
+        return qk_scores(q, k.astype(jnp.float32), int8_att.real) / math.sqrt(cfg.head_dim)
     return jnp.einsum("btkgh,bksh->bkgts", q, k.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
 
 
@@ -147,13 +149,14 @@ def alibi_slopes(num_heads: int, bias_max: float) -> np.ndarray:
     return slopes.astype(np.float32)
 
 
-def _part_scores(q, q_rot: Rotation, k, k_rot: Rotation, cfg: ModelConfig, bmm=None):
+def _part_scores(q, q_rot: Rotation, k, k_rot: Rotation, cfg: ModelConfig,
+                 int8_att=None):
     """Scores of queries [B, T, H, Dh] against head-major keys [B, KVH, L, Dh], both at
     in-cache positions: RoPE rotates both; ALiBi subtracts slope * (q_pos - k_pos), the
     contiguous in-cache distance (REFERENCE §1); learned absolute positions were added to the
     input."""
     q, k = apply_rope(q, q_rot), apply_rope(k, k_rot, head_major=True)
-    s = _scores(q, k, cfg, bmm)  # [B, KVH, G, T, L]
+    s = _scores(q, k, cfg, int8_att)  # [B, KVH, G, T, L]
     if cfg.pos_emb == "alibi":
         G = cfg.num_heads // cfg.num_kv_heads
         slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(cfg.num_kv_heads, G)
@@ -228,11 +231,11 @@ class Attention(nn.Module):
         # each head's keys as one contiguous [L, Dh] matrix instead of transposing the cache.
         q = proj(cfg.num_heads, "q")
         k, v = (proj(cfg.num_kv_heads, n).transpose(0, 2, 1, 3) for n in ("k", "v"))
-        bmm = self.get_variable("params", "bmm")  # QAttention: INT8 QKᵀ and PV (SmoothQuant)
+        int8_att = self.get_variable("params", "int8_attention")  # QAttention: INT8 QKᵀ and PV (SmoothQuant)
 
         if lay is None:  # plain causal forward
-            ctx, probs = _attend([_part_scores(q, plan.q, k, plan.keys, cfg, bmm)], [v], plan.mask,
-                                 cfg, bmm)
+            ctx, probs = _attend([_part_scores(q, plan.q, k, plan.keys, cfg, int8_att)], [v],
+                                 plan.mask, cfg, int8_att)
             # Attention maps for analysis (jaxllm.evals.attention), kept only when the
             # "attention" collection is mutable (calibration's "intermediates" never pays for it).
             self.sow("attention", "probs", probs.reshape(B, cfg.num_heads, T, T),
@@ -249,20 +252,20 @@ class Attention(nn.Module):
                 # later tokens overwrite ring slots its earlier tokens still attend to.
                 ck, cv = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
                 new_cache = ck, cv
-                scores, values = [_part_scores(q, plan.q, ck, plan.keys, cfg, bmm)], [cv]
+                scores, values = [_part_scores(q, plan.q, ck, plan.keys, cfg, int8_att)], [cv]
                 sink_k, sink_v = ck[:, :, :S], cv[:, :, :S]
             else:
                 C = ck.shape[2]
-                scores = [_part_scores(q, plan.q, ck, plan.keys.part(0, C), cfg, bmm),
-                          _part_scores(q, plan.q, k, plan.keys.part(C, C + T), cfg, bmm)]
+                scores = [_part_scores(q, plan.q, ck, plan.keys.part(0, C), cfg, int8_att),
+                          _part_scores(q, plan.q, k, plan.keys.part(C, C + T), cfg, int8_att)]
                 values = [cv, v]
                 sink_k = kvc.merge_sinks(ck, k, lay, S)  # [B, KVH, S, Dh]
                 sink_v = kvc.merge_sinks(cv, v, lay, S)
                 new_cache = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
             if S:
-                scores.insert(0, _part_scores(q, plan.q_sink, sink_k, plan.k_sink, cfg, bmm))
+                scores.insert(0, _part_scores(q, plan.q_sink, sink_k, plan.k_sink, cfg, int8_att))
                 values.insert(0, sink_v)
-            ctx, _ = _attend(scores, values, plan.mask, cfg, bmm)
+            ctx, _ = _attend(scores, values, plan.mask, cfg, int8_att)
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)
         return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
 
@@ -356,10 +359,28 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     return Transformer(cfg).init(key, jnp.zeros((1, 1), jnp.int32), None, None)["params"]
 
 
-def _forward(params, cfg: ModelConfig, tokens, cache, lens):
+def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
+          cache: Optional[kvc.KVCache] = None, lens: Optional[Int[Array, " b"]] = None, *,
+          mutable=()):
+    """The model as a traceable function: ``(logits [B, T, V] float32, cache)``.
+
+    The one way every module runs the model inside its own ``jit`` (generate's loop, ppl's
+    scoring, calibration, attention maps, the training loss, the benchmarks); it does no input
+    checking, so call :func:`forward` (checked, jitted) from plain Python. ``cache=None``: a
+    plain causal forward at positions 0..T-1 (the cache returned is None); with a cache,
+    ``lens`` [B] are the valid tokens per row (int32). ``mutable`` (plain forward only): flax
+    collections to collect, e.g. ``["intermediates"]`` (each linear's input maxima, for
+    SmoothQuant's calibration) or ``["attention"]`` (attention probabilities); the result is
+    then ``(logits, None, state)``.
+    """
     if cache is None:
-        logits, _ = Transformer(cfg).apply({"params": params}, tokens, None, None)
-        return logits, None
+        if not mutable:
+            return Transformer(cfg).apply({"params": params}, tokens, None, None)[0], None
+        (logits, _), state = Transformer(cfg).apply({"params": params}, tokens, None, None,
+                                                    mutable=list(mutable))
+        return logits, None, state
+    if mutable:
+        raise ValueError("mutable collections are collected on a plain forward (cache=None)")
     B, T = tokens.shape
     W = cache.window
     if T <= W:
@@ -393,26 +414,11 @@ def _forward_chunk(params, cfg: ModelConfig, tokens, cache, lens):
     return logits, new_cache
 
 
-_forward_jit = jax.jit(_forward, static_argnames=("cfg",))
+_forward_jit = jax.jit(apply, static_argnames=("cfg",))
 
 
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
-
-
-def _check_absolute_positions(cfg: ModelConfig, T: int, cache: Optional[kvc.KVCache]) -> None:
-    """Learned absolute positions (OPT) exist only for 0..max_seq_len-1 of the text."""
-    if cache is not None and (cache.evict or cache.sinks):
-        raise ValueError(
-            f"{cfg.family} has learned absolute position embeddings, so it cannot stream: a "
-            f"window or StreamingLLM cache renumbers tokens by their place in the cache, positions "
-            f"this model never learned to read. Use a dense cache "
-            f"(init_cache(cfg, B, sinks=0, window=L, evict=False), L <= {cfg.max_seq_len}) or a "
-            f"RoPE/ALiBi model for streaming")
-    n = T if cache is None else cache.capacity
-    if n > cfg.max_seq_len:
-        raise ValueError(f"{cfg.family} has learned positions for {cfg.max_seq_len} tokens; "
-                         f"{'this sequence has' if cache is None else 'the dense cache holds'} {n}")
 
 
 def check_token_ids(cfg: ModelConfig, tokens) -> None:
@@ -450,8 +456,11 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
             if lo < 0 or hi > T:
                 raise ValueError(f"lengths must lie in [0, {T}] (valid tokens per row of this "
                                  f"chunk), got values in [{lo}, {hi}]")
-    if cfg.pos_emb == "learned":
-        _check_absolute_positions(cfg, T, cache)
+    if cache is None:
+        check_positions(cfg, "dense", T)
+    else:
+        check_positions(cfg, "streaming" if cache.evict or cache.sinks else "dense",
+                        cache.capacity)
     if cache is None:
         if lengths is not None:
             raise ValueError("lengths (right padding) only applies to a forward with a cache; "
@@ -465,12 +474,8 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
             len(cache.k) != cfg.num_layers:
         raise ValueError("the cache does not match this ModelConfig (layers/kv heads/head dim); "
                          "make it with init_cache(cfg, ...) for the same cfg")
-    if not cache.evict and _is_concrete(cache.length) and _is_concrete(lens):
-        need = jax.device_get(cache.length + lens)
-        if (need > cache.capacity).any():
-            raise ValueError(f"dense cache overflow: a row would hold {int(need.max())} tokens but "
-                             f"the cache has {cache.capacity} slots; make a larger dense cache or "
-                             f"use a streaming cache (init_cache(cfg, B, sinks=4, window=W))")
+    if _is_concrete(cache.length) and _is_concrete(lens):
+        kvc.check_room(cache, jax.device_get(cache.length + lens))
     return lens
 
 

@@ -19,8 +19,10 @@ from flax import struct
 from jaxtyping import Array, Float, Int, Int8
 
 import pallas_kernels
+from pallas_kernels.reference import QMAX
 
-QMAX = 127.0
+from . import tree
+
 ACT_MODES = ("token", "tensor", "static", "none")
 
 
@@ -129,7 +131,7 @@ class QAttention:
 
     No arrays: every scale is dynamic along an outer dimension of its product — q per (token,
     head), k per (key, head), probabilities per query row, v per (head, channel) — so eq. 2 holds
-    and the epilogue is exact. Stored as ``params[layer]["attn"]["bmm"]``.
+    and the epilogue is exact. Stored as ``params[layer]["attn"]["int8_attention"]``.
     """
 
     real: bool = struct.field(pytree_node=False, default=True)
@@ -144,9 +146,10 @@ def _int8_einsum(eq: str, a: Array, b: Array, real: bool) -> Array:
 def qk_scores(q: Float[Array, "b t k g h"], k: Float[Array, "b k s h"], real: bool
               ) -> Float[Array, "b k g t s"]:
     """q·kᵀ with both sides int8, per-token (and head) scales; keys head-major."""
-    sq_, sk = absmax_scale(q, -1, True), absmax_scale(k, -1, True)
-    acc = _int8_einsum("btkgh,bksh->bkgts", quantize(q, sq_), quantize(k, sk), real)
-    return acc * jnp.einsum("btkg->bkgt", sq_[..., 0])[..., None] * sk[:, :, None, None, :, 0]
+    scale_q, scale_k = absmax_scale(q, -1, True), absmax_scale(k, -1, True)
+    acc = _int8_einsum("btkgh,bksh->bkgts", quantize(q, scale_q), quantize(k, scale_k), real)
+    return (acc * jnp.einsum("btkg->bkgt", scale_q[..., 0])[..., None]
+            * scale_k[:, :, None, None, :, 0])
 
 
 def pv(p: Float[Array, "b k g t s"], v: Float[Array, "b k s h"], p_scale: Array, real: bool
@@ -163,34 +166,30 @@ def pv(p: Float[Array, "b k g t s"], v: Float[Array, "b k s h"], p_scale: Array,
 def to_plain(params) -> tuple[dict, dict]:
     """Nested dicts of arrays (for safetensors/orbax) and ``{path: {"act", "real"}}`` for every
     quantized node (``{"kind": "attention", "real"}`` for INT8 attention), path joined by '/'."""
-    spec = {}
-
-    def walk(node, path):
+    spec, flat = {}, {}
+    for path, node in tree.flatten(params).items():
         if isinstance(node, QAttention):  # no arrays: only its spec entry
             spec[path] = {"kind": "attention", "real": node.real}
-            return None
-        if isinstance(node, QKernel):
+        elif isinstance(node, QKernel):
             spec[path] = {"act": node.act, "real": node.real}
-            d = {"q": node.q, "scale": node.scale}
-            return d if node.act_scale is None else dict(d, act_scale=node.act_scale)
-        if isinstance(node, dict):
-            out = {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
-            return {k: v for k, v in out.items() if v is not None}
-        return node
-    return walk(params, ""), spec
+            flat[f"{path}/q"], flat[f"{path}/scale"] = node.q, node.scale
+            if node.act_scale is not None:
+                flat[f"{path}/act_scale"] = node.act_scale
+        else:
+            flat[path] = node
+    return tree.unflatten(flat), spec
 
 
 def from_plain(plain: dict, spec: dict) -> dict:
     """Inverse of :func:`to_plain`."""
-    out = jax.tree.map(lambda x: x, plain)  # fresh containers
+    flat = tree.flatten(plain)
     for path, s in spec.items():
-        *parents, leaf = path.split("/")
-        node = out
-        for p in parents:
-            node = node[p]
+        if path.endswith("/bmm"):  # INT8 attention's marker before it was named int8_attention
+            path = path[:-len("bmm")] + "int8_attention"
         if s.get("kind") == "attention":
-            node[leaf] = QAttention(real=s["real"])
+            flat[path] = QAttention(real=s["real"])
             continue
-        d = node[leaf]
-        node[leaf] = QKernel(d["q"], d["scale"], d.get("act_scale"), act=s["act"], real=s["real"])
-    return out
+        q, scale = flat.pop(f"{path}/q"), flat.pop(f"{path}/scale")
+        flat[path] = QKernel(q, scale, flat.pop(f"{path}/act_scale", None), act=s["act"],
+                             real=s["real"])
+    return tree.unflatten(flat)

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import tree
 from .config import ModelConfig
-from .model import Transformer
-from .quant import QAttention, QKernel, quantize_rows, quantize_weight
+from .model import apply
+from .quant import QMAX, QAttention, QKernel, quantize_rows, quantize_weight
 
 # scheme -> (weights per channel?, activation mode)
 SCHEMES = {"o1": (False, "token"), "o2": (False, "tensor"), "o3": (False, "static"),
@@ -65,8 +66,7 @@ def _samples(ids: np.ndarray, cc: CalibConfig, auto: bool) -> tuple[np.ndarray, 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _absmax_batch(params, cfg: ModelConfig, tokens):
-    _, state = Transformer(cfg).apply({"params": params}, tokens, None, None,
-                                      mutable=["intermediates"])
+    _, _, state = apply(params, cfg, tokens, mutable=["intermediates"])
     return state["intermediates"]
 
 
@@ -81,16 +81,9 @@ def calibrate(params, cfg: ModelConfig, tokens: np.ndarray, progress: bool = Fal
     for i in it:
         got = _absmax_batch(params, cfg, jnp.asarray(tokens[i:i + 8], jnp.int32))
         stats = got if stats is None else jax.tree.map(jnp.maximum, stats, got)
-    flat = {}
-
-    def walk(node, path):
-        for k, v in node.items():
-            if k == "in_absmax":
-                flat[path] = np.asarray(v)
-            else:
-                walk(v, f"{path}/{k}" if path else k)
-    walk(jax.device_get(stats), "")
-    return flat
+    suffix = "/in_absmax"  # what Linear sows, under the layer's path
+    return {path[:-len(suffix)]: np.asarray(v)
+            for path, v in tree.flatten(jax.device_get(stats)).items() if path.endswith(suffix)}
 
 
 # ---- smoothing ----------------------------------------------------------------------------------
@@ -118,18 +111,12 @@ def smooth_groups(cfg: ModelConfig, smooth_down: bool = False) -> list[tuple[str
     return groups
 
 
-def _get(tree, path):
-    for p in path.split("/"):
-        tree = tree[p]
-    return tree
-
-
 def smoothing_factors(params, stats: dict, groups, alpha: float) -> dict:
     """s per group (eq. 4), clamped to >= 1e-5 as the reference implementation does."""
     out = {}
     for norm, linears in groups:
         x_max = np.maximum(stats[linears[0]], 1e-5)
-        w_max = np.max([np.abs(np.asarray(_get(params, f"{lin}/kernel"))).max(axis=1)
+        w_max = np.max([np.abs(np.asarray(tree.get(params, f"{lin}/kernel"))).max(axis=1)
                         for lin in linears], axis=0)
         out[norm] = np.maximum(x_max ** alpha / np.maximum(w_max, 1e-5) ** (1 - alpha), 1e-5)
     return out
@@ -141,17 +128,17 @@ def apply_smoothing(params, groups, factors: dict):
     for norm, linears in groups:
         s = factors[norm].astype(np.float32)
         if norm.endswith("#out"):  # down's input = act(gate) * up: scale up's output columns
-            up = _get(params, norm[:-4])
+            up = tree.get(params, norm[:-4])
             up["kernel"] = up["kernel"] / s
             if "bias" in up:
                 up["bias"] = up["bias"] / s
         else:
-            n = _get(params, norm)
+            n = tree.get(params, norm)
             n["scale"] = n["scale"] / s
             if "bias" in n:
                 n["bias"] = n["bias"] / s
         for lin in linears:
-            node = _get(params, lin)
+            node = tree.get(params, lin)
             node["kernel"] = node["kernel"] * s[:, None]
     return params
 
@@ -169,16 +156,8 @@ def add_outlier_channels(params, cfg: ModelConfig, channels, gain: float = 100.0
 # ---- quantization -------------------------------------------------------------------------------
 
 def _linear_paths(params) -> list[str]:
-    out = []
-
-    def walk(node, path):
-        if "kernel" in node:
-            out.append(path)
-        for k, v in node.items():
-            if isinstance(v, dict):
-                walk(v, f"{path}/{k}" if path else k)
-    walk(params, "")
-    return out
+    """Paths of the modules holding a ``kernel`` (the linear layers and the head)."""
+    return [path[:-len("/kernel")] for path in tree.flatten(params) if path.endswith("/kernel")]
 
 
 def is_quantized(params) -> bool:
@@ -193,7 +172,7 @@ def _check_embedding_head(cfg: ModelConfig, quantize_embedding: bool, quantize_h
 
 
 def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict] = None,
-                    real: bool = True, bmm: bool = False, per_channel: Optional[bool] = None,
+                    real: bool = True, int8_attention: bool = False, per_channel: Optional[bool] = None,
                     quantize_embedding: bool = True, quantize_head: bool = True):
     """Every linear kernel (and the embedding table) of already smoothed float params as int8.
     ``stats``: smoothed per-channel input maxima, needed by the static scheme ``o3``.
@@ -204,7 +183,7 @@ def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict]
     per_channel = scheme_channel if per_channel is None else per_channel
     out = jax.tree.map(np.asarray, jax.device_get(params))  # a fresh tree to fill in
     for path in _linear_paths(out):
-        node = _get(out, path)
+        node = tree.get(out, path)
         w = jnp.asarray(node["kernel"])
         if path == "lm_head":  # the head: per-channel weights, per-token activations
             if quantize_head:
@@ -213,11 +192,11 @@ def quantize_params(params, cfg: ModelConfig, scheme: str, stats: Optional[dict]
             continue
         a_scale = None
         if act == "static":
-            a_scale = float(np.max(stats[path])) / 127.0
+            a_scale = float(np.max(stats[path])) / QMAX
         node["kernel"] = quantize_weight(w, per_channel, act, a_scale, real=real)
-    if bmm:
+    if int8_attention:
         for i in range(cfg.num_layers):
-            out[f"layer_{i}"]["attn"]["bmm"] = QAttention(real=real)
+            out[f"layer_{i}"]["attn"]["int8_attention"] = QAttention(real=real)
     if quantize_embedding:
         emb = out["embed"]
         emb["embedding"] = quantize_rows(jnp.asarray(emb["embedding"]),
@@ -236,13 +215,13 @@ def _smoothed_stats(stats: dict, groups, factors: dict) -> dict:
 
 def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
              alpha: Union[float, str, None] = None, *, smooth: bool = True,
-             smooth_down: bool = False, real: bool = True, bmm: bool = False,
+             smooth_down: bool = False, real: bool = True, int8_attention: bool = False,
              per_channel: Optional[bool] = None, quantize_embedding: bool = True,
              quantize_head: bool = True, calib: CalibConfig = CalibConfig(),
              progress: bool = False, return_info: bool = False):
     """SmoothQuant: calibrate on ``calib_tokens`` (token ids, 1-D stream), smooth with strength
     ``alpha`` (None: the family default; ``"auto"``: grid search on held-out calibration text
-    minimising the quantized model's loss) and quantize with ``scheme``; ``bmm`` also runs the
+    minimising the quantized model's loss) and quantize with ``scheme``; ``int8_attention`` also runs the
     attention products QKᵀ and PV in INT8; ``per_channel`` overrides the scheme's weight
     granularity; ``real=False`` gives fake-quant (float) arithmetic. The embedding table (int8
     per row) and the output head (per-channel W8) are quantized by default;
@@ -273,13 +252,13 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
 
     def build(a):
         if not smooth:
-            return quantize_params(params, cfg, scheme, stats, real, bmm, per_channel, **keep)
+            return quantize_params(params, cfg, scheme, stats, real, int8_attention, per_channel, **keep)
         factors = smoothing_factors(params, stats, groups, a)
         sm = apply_smoothing(params, groups, factors)
         return quantize_params(sm, cfg, scheme, _smoothed_stats(stats, groups, factors), real,
-                               bmm, per_channel, **keep)
+                               int8_attention, per_channel, **keep)
 
-    info = {"scheme": scheme, "smooth": smooth, "real": real, "int8_attention": bmm, **keep}
+    info = {"scheme": scheme, "smooth": smooth, "real": real, "int8_attention": int8_attention, **keep}
     if not smooth:
         return (build(None), info) if return_info else build(None)
     if auto:
@@ -299,7 +278,7 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _nll(params, cfg: ModelConfig, tokens):
-    logits, _ = Transformer(cfg).apply({"params": params}, tokens, None, None)
+    logits, _ = apply(params, cfg, tokens)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
@@ -329,29 +308,28 @@ def outlier_report(params, cfg: ModelConfig, calib_tokens, layer: Optional[str] 
         raise ValueError(f"{layer!r} is not a smoothed linear; choose one of "
                          f"{', '.join(x for _, ls in groups for x in ls)}")
     s = smoothing_factors(params, stats, group, alpha)[group[0][0]]
-    w = np.abs(np.asarray(_get(params, f"{layer}/kernel")))  # [in, out]
+    w = np.abs(np.asarray(tree.get(params, f"{layer}/kernel")))  # [in, out]
     x = stats[layer]
-    return {"layer": layer, "alpha": alpha, "act_before": x, "act_after": x / s,
-            "weight_before": w.max(1), "weight_after": (w * s[:, None]).max(1)}
+    rep = {"layer": layer, "alpha": alpha, "act_before": x, "act_after": x / s,
+           "weight_before": w.max(1), "weight_after": (w * s[:, None]).max(1)}
+    for when in ("before", "after"):  # outlier strength: the largest channel over the median
+        rep[f"act_max_over_median_{when}"] = float(rep[f"act_{when}"].max()
+                                                   / np.median(rep[f"act_{when}"]))
+    return rep
 
 
 def plot_outliers(rep: dict, path: str, title: str) -> None:
     """Activation and weight max |.| per input channel, before and after smoothing."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(10, 5.5), sharex=True)
-    ch = np.arange(len(rep["act_before"]))
-    for row, kind in enumerate(("act", "weight")):
-        for col, when in enumerate(("before", "after")):
-            ax = axes[row, col]
-            ax.bar(ch, rep[f"{kind}_{when}"], width=1.0,
-                   color="tab:red" if kind == "act" else "tab:blue")
-            ax.set_title(f"{'activation' if kind == 'act' else 'weight'} max |.| per channel, "
-                         f"{when} smoothing", fontsize=9)
-    for ax in axes[1]:
-        ax.set_xlabel("input channel")
-    fig.suptitle(f"{title} · {rep['layer']} · alpha {rep['alpha']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from .plots import figure
+    with figure(path, f"{title} · {rep['layer']} · alpha {rep['alpha']}", size=(10, 5.5),
+                nrows=2, ncols=2, sharex=True) as axes:
+        ch = np.arange(len(rep["act_before"]))
+        for row, kind in enumerate(("act", "weight")):
+            for col, when in enumerate(("before", "after")):
+                ax = axes[row, col]
+                ax.bar(ch, rep[f"{kind}_{when}"], width=1.0,
+                       color="tab:red" if kind == "act" else "tab:blue")
+                ax.set_title(f"{'activation' if kind == 'act' else 'weight'} max |.| per "
+                             f"channel, {when} smoothing", fontsize=9)
+        for ax in axes[1]:
+            ax.set_xlabel("input channel")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reference import NaiveStream, naive_logits
 
 import jaxllm
-from jaxllm.model import _forward
+from jaxllm.model import apply
 
 PARAMS = {"neox": jaxllm.init_params(NEOX, jax.random.key(0)),
           "llama": jaxllm.init_params(LLAMA, jax.random.key(0))}
@@ -114,9 +114,9 @@ def test_decode_step_does_not_copy_the_cache():
     K and V each step: 1.3-2x the cache in scratch for this model, 2x for pythia-14m at 4096)."""
     import functools
 
-    from jaxllm.model import _forward
+    from jaxllm.model import apply
     cfg, params = NEOX, PARAMS["neox"]
-    step = jax.jit(functools.partial(_forward, cfg=cfg), donate_argnames=("cache",))
+    step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
     for S in (0, 4):
         cache = jaxllm.init_cache(cfg, 1, sinks=S, window=2048 - S)
         mem = step.lower(params, tokens=jnp.zeros((1, 1), jnp.int32), cache=cache,
@@ -174,7 +174,7 @@ def test_no_recompilation_while_streaming():
             logits, cache = jaxllm.forward(params, cfg, chunk + i % 7, cache)
         logits.block_until_ready()
     finally:
-        jax._src.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert [e for e in compiles if "backend_compile" in e] == []
 
 
@@ -229,7 +229,7 @@ def test_long_prompt_in_one_call_keeps_rotation_angles_bounded(name):
     @jax.jit
     def token_by_token(params, cache, toks):  # T one-token forwards, scanned in one jit
         def step(c, t):
-            lg, c = _forward(params, cfg, t[None, None], c, jnp.ones((1,), jnp.int32))
+            lg, c = apply(params, cfg, t[None, None], c, jnp.ones((1,), jnp.int32))
             return c, lg[0, 0]
         return jax.lax.scan(step, cache, toks)[1]
 

@@ -37,7 +37,7 @@ def test_default_precision_on_gpu_is_within_tf32(model):
     cfg, params = model
     tokens = jax.random.randint(jax.random.key(5), (2, 24), 0, cfg.vocab_size)
     with jax.default_matmul_precision("default"):
-        logits, _ = jax.jit(lambda p, t: jaxllm.model._forward(p, cfg, t, None, None))(params,
+        logits, _ = jax.jit(lambda p, t: jaxllm.model.apply(p, cfg, t))(params,
                                                                                      tokens)
     ref = naive_logits(params, cfg, tokens)
     err = np.abs(np.asarray(logits, np.float64) - ref).max() / np.abs(ref).max()

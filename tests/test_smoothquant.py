@@ -10,7 +10,7 @@ import pytest
 from conftest import LLAMA, NEOX
 
 import jaxllm
-from jaxllm import quant
+from jaxllm import quant, tree
 from jaxllm import smoothquant as sq
 
 CC = sq.CalibConfig(n_seqs=8, seq_len=64, heldout_seqs=2)
@@ -30,12 +30,12 @@ def with_outliers(params, cfg, channels=(3, 17), gain=60.0):
     f = np.ones(cfg.hidden_size, np.float32)
     f[list(channels)] = gain
     for norm, linears in sq.smooth_groups(cfg):
-        n = sq._get(p, norm)
+        n = tree.get(p, norm)
         n["scale"] = n["scale"] * f
         if "bias" in n:
             n["bias"] = n["bias"] * f
         for lin in linears:
-            sq._get(p, lin)["kernel"] = sq._get(p, lin)["kernel"] / f[:, None]
+            tree.get(p, lin)["kernel"] = tree.get(p, lin)["kernel"] / f[:, None]
     return jax.tree.map(jnp.asarray, p)
 
 
@@ -266,12 +266,12 @@ def test_int8_attention_bmms_follow_eq2():
 
 def test_int8_attention_option(outlier_model, tmp_path):
     params, toks, ref = outlier_model
-    real = sq.quantize(params, LLAMA, IDS, "o1", 0.8, calib=CC, bmm=True)
-    fake = sq.quantize(params, LLAMA, IDS, "o1", 0.8, calib=CC, bmm=True, real=False)
+    real = sq.quantize(params, LLAMA, IDS, "o1", 0.8, calib=CC, int8_attention=True)
+    fake = sq.quantize(params, LLAMA, IDS, "o1", 0.8, calib=CC, int8_attention=True, real=False)
     got = jaxllm.forward(real, LLAMA, toks)[0]
     np.testing.assert_allclose(got, jaxllm.forward(fake, LLAMA, toks)[0], atol=1e-5, rtol=0)
     assert float(jnp.sqrt(jnp.mean((got - ref) ** 2)) / jnp.std(ref)) < 0.06
     jaxllm.save_model(str(tmp_path / "m"), LLAMA, real)
     _, back, _ = jaxllm.load_model(str(tmp_path / "m"))
-    assert isinstance(back["layer_0"]["attn"]["bmm"], quant.QAttention)
+    assert isinstance(back["layer_0"]["attn"]["int8_attention"], quant.QAttention)
     np.testing.assert_array_equal(jaxllm.forward(back, LLAMA, toks)[0], got)

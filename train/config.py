@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any, Literal
 
 from jaxllm.config import BYTE_VOCAB, PRESETS, ModelConfig
+from jaxllm.policy import check_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +62,7 @@ class TrainConfig:
                                ("b2", 0 <= self.b2 < 1, "in [0, 1)")):
             if not ok:
                 raise ValueError(f"{name} must be {what}, got {getattr(self, name)}")
-        if self.seq_len > self.model.max_seq_len and self.model.pos_emb == "learned":
-            raise ValueError(f"seq_len {self.seq_len} exceeds the model's {self.model.max_seq_len} "
-                             f"learned positions")
+        check_positions(self.model, "dense", self.seq_len)  # a training sample is one dense pass
         # The model records its sink variant, so streaming and saving use it (ModelConfig.sink).
         if self.model.sink != self.sink:
             object.__setattr__(self, "model", dataclasses.replace(self.model, sink=self.sink))

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
-from jaxllm.model import Transformer, init_params
+from jaxllm.model import apply, init_params
+from jaxllm.policy import with_sink
 
 from .config import TrainConfig
 
@@ -19,9 +20,8 @@ def examples(cfg: TrainConfig, batch: Int[Array, "b l1"]):
     Learnable sink: the sink token takes position 0 of every sample, so the inputs are
     [sink, x_0 .. x_{L-2}] and the targets x_0 .. x_{L-1}; the sink is never a target (no loss
     on predicting it) and every variant is scored on the same number of positions."""
-    if cfg.sink == "learnable":
-        sink = jnp.full((batch.shape[0], 1), cfg.model.sink_id, batch.dtype)
-        return jnp.concatenate([sink, batch[:, :-2]], 1), batch[:, :-1]
+    if cfg.model.sink_id is not None:
+        return with_sink(cfg.model, batch[:, :-1], keep_length=True), batch[:, :-1]
     return batch[:, :-1], batch[:, 1:]
 
 
@@ -29,7 +29,7 @@ def loss_fn(params, cfg: TrainConfig, batch) -> Float[Array, ""]:
     """Mean next-token cross-entropy (nats) with compute in ``cfg.dtype``."""
     model_cfg = dataclasses.replace(cfg.model, dtype=cfg.dtype)
     inputs, targets = examples(cfg, batch)
-    logits, _ = Transformer(model_cfg).apply({"params": params}, inputs, None, None)
+    logits, _ = apply(params, model_cfg, inputs)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
     return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
 

@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..model import Transformer
+from ..model import apply
+from ..policy import with_sink
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _maps(params, cfg: ModelConfig, tokens):
-    _, state = Transformer(cfg).apply({"params": params}, tokens, None, None,
-                                      mutable=["attention"])
+    _, _, state = apply(params, cfg, tokens, mutable=["attention"])
     inter = state["attention"]
     # [L, B, H, T, T] -> mean over the batch
     return jnp.stack([inter[f"layer_{i}"]["attn"]["probs"].mean(0)
@@ -30,15 +30,25 @@ def attention_maps(params, cfg: ModelConfig, seqs: np.ndarray, batch: int = 4) -
     """Attention probabilities [layers, heads, T, T] averaged over the sequences [N, T]. A
     learnable-sink model reads each row with its sink token first (as it was trained and as it
     streams), the row's last token dropping off so T stays."""
-    seqs = np.asarray(seqs, np.int32)
-    if cfg.sink_id is not None:
-        seqs = np.concatenate([np.full((len(seqs), 1), cfg.sink_id, np.int32), seqs[:, :-1]], 1)
+    seqs = with_sink(cfg, np.asarray(seqs, np.int32), keep_length=True)
     total = None
     for i in range(0, len(seqs), batch):
         chunk = seqs[i:i + batch]
         m = np.asarray(_maps(params, cfg, jnp.asarray(chunk))) * len(chunk)
         total = m if total is None else total + m
     return total / len(seqs)
+
+
+def sink_report(params, cfg: ModelConfig, ids, n: int, seq_len: int, eps: float = 0.3,
+                seed: int = 0) -> tuple[np.ndarray, dict]:
+    """Attention maps averaged over ``n`` random ``seq_len``-token windows of ``ids`` and
+    their sink metric for token 0: ``(maps, {"overall", "per_layer", ..., "n", "seq_len"})``."""
+    ids = np.asarray(ids, np.int32)
+    if len(ids) < n * seq_len:
+        raise ValueError(f"the corpus has {len(ids)} tokens; --n x --seq-len needs {n * seq_len}")
+    starts = np.random.default_rng(seed).integers(0, len(ids) - seq_len, n)
+    maps = attention_maps(params, cfg, np.stack([ids[s:s + seq_len] for s in starts]))
+    return maps, dict(sink_metric(maps, 0, eps), n=n, seq_len=seq_len)
 
 
 def head_attention_to(maps: np.ndarray, k: int = 0) -> np.ndarray:
@@ -57,22 +67,17 @@ def sink_metric(maps: np.ndarray, k: int = 0, eps: float = 0.3) -> dict:
 
 def plot_maps(maps: np.ndarray, path: str, title: str, n: int = 16) -> None:
     """The head-averaged attention map of each layer over the first ``n`` tokens (Fig. 2)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import figure
     L = maps.shape[0]
     cols = min(L, 6)
     rows = -(-L // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 2.4 * rows + 0.4), squeeze=False)
-    for i, ax in enumerate(axes.flat):
-        if i >= L:
-            ax.axis("off")
-            continue
-        ax.imshow(maps[i, :, :n, :n].mean(0), cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"layer {i}", fontsize=9)
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, title, size=(2.4 * cols, 2.4 * rows + 0.4), nrows=rows, ncols=cols,
+                squeeze=False) as axes:
+        for i, ax in enumerate(axes.flat):
+            if i >= L:
+                ax.axis("off")
+                continue
+            ax.imshow(maps[i, :, :n, :n].mean(0), cmap="viridis", vmin=0, vmax=1)
+            ax.set_title(f"layer {i}", fontsize=9)
+            ax.set_xticks([])
+            ax.set_yticks([])

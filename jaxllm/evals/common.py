@@ -8,7 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from ..config import ModelConfig
-from ..ppl import PplConfig, stream_score
+from ..policy import CachePolicy
+from ..ppl import stream_score
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ def exact_matches(hit: np.ndarray, spans) -> np.ndarray:
     return np.asarray([bool(hit[s - 1:e - 1].all()) for s, e in spans])
 
 
-def score_task(params, cfg: ModelConfig, task: Task, pc: PplConfig,
+def score_task(params, cfg: ModelConfig, task: Task, pc: CachePolicy,
                progress: bool = False) -> np.ndarray:
     """Exact match of every answer span of ``task`` streamed through ``pc``'s cache policy."""
     if not task.spans:
@@ -55,15 +56,9 @@ def score_task(params, cfg: ModelConfig, task: Task, pc: PplConfig,
 
 def plot_accuracy_curve(x, y, xlabel: str, ylabel: str, path: str, title: str) -> None:
     """One accuracy curve in [0, 1] (StreamEval by length, QA running accuracy)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(x, y, marker="o" if len(x) < 50 else None)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from ..plots import figure
+    with figure(path, title, size=(6, 3.2)) as ax:
+        ax.plot(x, y, marker="o" if len(x) < 50 else None)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.05, 1.05)

@@ -2,7 +2,13 @@
 depth of repeated filler, asked for at the end. One stream per trial."""
 from __future__ import annotations
 
-from .common import Task, build
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..policy import CachePolicy
+from .common import Task, build, score_task
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
           "again. ")
@@ -26,22 +32,34 @@ def passkey_task(n_tokens: int, depth: float, key: str, encode) -> Task:
     return build(segments, encode)
 
 
+def passkey_grid(params, cfg: ModelConfig, encode, pc: CachePolicy, lengths: Sequence[int],
+                 depths: Sequence[float], trials: int = 5, seed: int = 0,
+                 report: Optional[Callable[[int, float, float], None]] = None) -> np.ndarray:
+    """Accuracy [len(lengths), len(depths)]: the share of ``trials`` random keys retrieved at
+    each stream length and key depth (one stream per trial). ``report(n, depth, acc)`` is called
+    after each cell (progress)."""
+    rng = np.random.default_rng(seed)
+    grid = np.zeros((len(lengths), len(depths)))
+    for i, n in enumerate(lengths):
+        for j, d in enumerate(depths):
+            keys = [f"{k:05d}" for k in rng.integers(0, 100_000, trials)]
+            grid[i, j] = np.mean([score_task(params, cfg, passkey_task(n, d, k, encode), pc)[0]
+                                  for k in keys])
+            if report:
+                report(n, d, grid[i, j])
+    return grid
+
+
 def plot_heatmap(grid, lengths, depths, path: str, title: str) -> None:
     """Accuracy by stream length (rows) and key depth (columns)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(1.1 * len(depths) + 2, 0.5 * len(lengths) + 1.6))
-    im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_xlabel("key depth")
-    ax.set_ylabel("tokens")
-    for i in range(len(lengths)):
-        for j in range(len(depths)):
-            ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
-    fig.colorbar(im, ax=ax)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from ..plots import figure
+    with figure(path, title, size=(1.1 * len(depths) + 2, 0.5 * len(lengths) + 1.6)) as ax:
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("key depth")
+        ax.set_ylabel("stream length (tokens)")
+        for i in range(len(lengths)):
+            for j in range(len(depths)):
+                ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
+        ax.figure.colorbar(im, ax=ax, label="accuracy")

@@ -1,4 +1,10 @@
-"""The ``jaxllm`` command line: a thin layer over the Python API."""
+"""The ``jaxllm`` command line: a thin shell over the Python API.
+
+Each command is a pair: ``add_<name>(sub)`` declares its options and ``cmd_<name>(args)`` runs
+it (argument checks, the API call, printing and writing the outputs). Commands other packages
+provide (``convert``, ``export-hf`` from the convert package) are registered under the
+``jaxllm.commands`` entry-point group, so this module never imports them.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,11 +17,27 @@ import numpy as np
 DEFAULT_MODEL = "embedded"
 RANDOM_NOTE = ("note: {model} has random weights, so its perplexities and text are noise; "
                "pass --model DIR for a trained model")
+MODEL_HELP = ("jaxllm model directory, Hugging Face model directory (converted on the fly), "
+              "embedded / embedded-sink (the models shipped in the package) or "
+              "random:PRESET[:SEED]")
+OVERWRITE_HELP = ("replace a model that jaxllm wrote at --out before (anything else there is "
+                  "always refused)")
+COMMAND_GROUP = "jaxllm.commands"
 
 
 class CliError(Exception):
     """Bad input: printed as one line, exit status 2."""
 
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose help shows every option's default (subcommands inherit it)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+# ---- shared by the commands ----------------------------------------------------------------------
 
 def read_text(path: str) -> str:
     try:
@@ -33,29 +55,21 @@ def read_text(path: str) -> str:
     return text
 
 
-MODEL_HELP = ("jaxllm model directory, Hugging Face model directory (converted on the fly), "
-              "embedded / embedded-sink (the models shipped in the package) or "
-              "random:PRESET[:SEED]")
-
-
-OVERWRITE_HELP = ("replace a model that jaxllm wrote at --out before (anything else there is "
-                  "always refused)")
-
-
 def _first_non_finite(params):
     """The first float tensor (by path) holding NaN or inf, or None."""
     import jax.numpy as jnp
 
-    from .io import flatten_tree
+    from . import tree
     from .quant import to_plain
-    for name, x in flatten_tree(to_plain(params)[0]).items():
+    for name, x in tree.flatten(to_plain(params)[0]).items():
         if jnp.issubdtype(x.dtype, jnp.floating) and not bool(jnp.isfinite(x).all()):
             return name
     return None
 
 
-def _load(model: str, need_tokenizer: bool = True):
-    from .io import load_model
+def load(model: str, need_tokenizer: bool = True):
+    """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError."""
+    from .io import TOKENIZER_DIR, load_model, reader_for
     try:
         cfg, params, tok = load_model(model)
     except (ValueError, FileNotFoundError, ImportError) as e:
@@ -67,37 +81,41 @@ def _load(model: str, need_tokenizer: bool = True):
         print(f"warning: {model}: tensor {bad} holds NaN or inf values, so every result will "
               f"be NaN", file=sys.stderr)
     if tok is None and need_tokenizer:
-        from convert.hf import is_hf_dir
-        where = model if is_hf_dir(model) else os.path.join(model, "tokenizer")
+        where = model if reader_for(model) else os.path.join(model, TOKENIZER_DIR)
         raise CliError(f"{model} has no tokenizer: copy the Hugging Face tokenizer files "
                        f"(tokenizer.json, tokenizer_config.json, ...) into {where}")
     return cfg, params, tok
 
 
-def _ppl_config(a):
-    """The cache policy of --method/--sinks/--cache/--chunk (sinks default: 4 for streaming)."""
-    from .ppl import PplConfig
-    if a.method in ("dense", "window"):
-        sinks = a.sinks or 0
-    else:
-        sinks = (4 if a.method == "streaming" else 0) if a.sinks is None else a.sinks
+def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024) -> None:
+    p.add_argument("--method", default="streaming",
+                   help="cache policy: dense | window | recompute | streaming")
+    p.add_argument("--sinks", type=int, default=None,
+                   help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
+    p.add_argument("--cache", type=int, default=cache, help="cache size = sinks + window")
+    p.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
+
+
+def policy(a):
+    """The CachePolicy of --method/--sinks/--cache/--chunk."""
+    from .policy import CachePolicy
     try:
-        return PplConfig(method=a.method, sinks=sinks, cache=a.cache, chunk=a.chunk)
+        return CachePolicy.of(a.method, a.sinks, a.cache, a.chunk)
     except ValueError as e:
         raise CliError(str(e)) from None
 
 
-def _check_streamable(cfg, pc, n_tokens: int = 0) -> None:
+def check_streamable(cfg, pc, n_tokens: int = 0) -> None:
     """Before the work: a learned-position model cannot stream or read past its table."""
-    from .ppl import check_positions
+    from .policy import check_positions
     try:
-        check_positions(cfg, pc, n_tokens)
+        check_positions(cfg, pc.method, pc.cache if pc.method == "recompute" else n_tokens)
     except ValueError as e:
         raise CliError(str(e).replace("method ", "--method ").replace("cache <=", "--cache <="))\
             from None
 
 
-def _make_parent(path: str) -> None:
+def make_parent(path: str) -> None:
     """Create the directory ``path`` will be written into (before any work, so a finished
     computation never dies on a missing folder); a clear error when it cannot be made."""
     parent = os.path.dirname(os.path.abspath(path))
@@ -107,22 +125,61 @@ def _make_parent(path: str) -> None:
         raise CliError(f"cannot create the output directory {parent}: {e.strerror}") from None
 
 
-def _write_json(path: str, obj) -> None:
-    _make_parent(path)
+def write_json(path: str, obj) -> None:
+    make_parent(path)
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
     print(f"wrote {path}")
 
 
+def sources(model: str) -> list:
+    """The directory a --model reads from (none for embedded and random models)."""
+    return [model] if os.path.isdir(model) else []
+
+
+def check_out(a, srcs) -> None:
+    """Refuse an --out that would lose data before any work is done (see check_output_dir)."""
+    from .io import check_output_dir
+    try:
+        check_output_dir(a.out, a.overwrite, srcs)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _float(s: str, flag: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise CliError(f"{flag} must be a number in [0, 1] or 'auto', got {s!r}") from None
+
+
+# ---- ppl -----------------------------------------------------------------------------------------
+
+def add_ppl(sub) -> None:
+    p = sub.add_parser("ppl", help="streaming perplexity of a text through a cache policy")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", help="UTF-8 text file to score")
+    src.add_argument("--corpus", choices=["builtin"], default="builtin",
+                     help="score the embedded corpus (Python's own documentation) when no "
+                          "--text is given")
+    add_policy_args(p)
+    p.add_argument("--max-tokens", type=int, default=0, help="score at most N tokens (0 = all)")
+    p.add_argument("--json", help="write the summary here")
+    p.add_argument("--plot", help="write the NLL-vs-position plot here (PNG)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_ppl)
+
+
 def cmd_ppl(a) -> None:
     from .corpus import builtin_corpus
     from .ppl import plot_nll, run_ppl
-    pc = _ppl_config(a)
+    pc = policy(a)
     text = read_text(a.text) if a.text else builtin_corpus()
     for path in (a.json, a.plot):
         if path:
-            _make_parent(path)
-    cfg, params, tok = _load(a.model)
+            make_parent(path)
+    cfg, params, tok = load(a.model)
     ids = tok.encode(text)
     if a.max_tokens:
         if a.max_tokens < 2:
@@ -130,21 +187,37 @@ def cmd_ppl(a) -> None:
         ids = ids[:a.max_tokens]
     if len(ids) < 2:
         raise CliError("the text has fewer than 2 tokens: nothing to score")
-    _check_streamable(cfg, pc, len(ids))
+    check_streamable(cfg, pc, len(ids))
     nll, summary = run_ppl(params, cfg, ids, pc, progress=not a.quiet)
     summary.update(model=a.model, text=a.text or "builtin")
-    line = (f"{pc.method} {summary['sinks']}+{summary['cache'] - summary['sinks']}: "
-            f"ppl {summary['ppl']:.3f} over {summary['tokens_scored']} tokens, "
+    line = (f"{pc.label}: ppl {summary['ppl']:.3f} over {summary['tokens_scored']} tokens, "
             f"{summary['tokens_per_s']:.0f} tok/s, peak RSS {summary['peak_rss_mb']:.0f} MiB")
     print(line)
     if summary["nan_count"]:
         print(f"warning: {summary['nan_count']} of {summary['tokens_scored']} scores are NaN "
               f"(non-finite weights or logits), so the perplexity is NaN", file=sys.stderr)
     if a.json:
-        _write_json(a.json, summary)
+        write_json(a.json, summary)
     if a.plot:
-        plot_nll(nll, a.plot, f"{a.model} · {line.split(':')[0]} · ppl {summary['ppl']:.2f}")
+        plot_nll(nll, a.plot, f"{a.model} · {pc.label} · ppl {summary['ppl']:.2f}")
         print(f"wrote {a.plot}")
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the main job on the embedded models: dense / window / "
+                                    "StreamingLLM / recompute (and INT8) with a plot")
+    p.add_argument("--model", action="append", default=None,
+                   help="LABEL=MODEL or MODEL, repeatable (default: vanilla=embedded and "
+                        "sink=embedded-sink)")
+    p.add_argument("--tokens", type=int, default=4096, help="stream length")
+    p.add_argument("--cache", type=int, default=128, help="sinks + window")
+    p.add_argument("--sinks", type=int, default=4,
+                   help="sink tokens of the StreamingLLM and recompute rows")
+    p.add_argument("--no-int8", action="store_true", help="skip the SmoothQuant INT8 row")
+    p.add_argument("--out", default="demo_out", help="directory for demo.json and demo.png")
+    p.set_defaults(fn=cmd_demo)
 
 
 def cmd_demo(a) -> None:
@@ -153,7 +226,7 @@ def cmd_demo(a) -> None:
     models = {}
     for spec in a.model or ["vanilla=embedded", "learnable-sink=embedded-sink"]:
         label, sep, path = spec.partition("=")
-        models[label if sep else spec] = _load(path if sep else spec)
+        models[label if sep else spec] = load(path if sep else spec)
     dc = DemoConfig(tokens=a.tokens, cache=a.cache, sinks=a.sinks, int8=not a.no_int8)
     if dc.cache <= dc.sinks:
         raise CliError(f"--cache {dc.cache} must exceed --sinks {dc.sinks}")
@@ -167,28 +240,49 @@ def cmd_demo(a) -> None:
     print(format_table(res))
     print("\n" + explain(res))
     for label, text in res["generations"].items():
-        print(f"\n[{label}, StreamingLLM {dc.sinks}+{64 - dc.sinks}] >>> {dc.prompt}{text}")
+        print(f"\n[{label}, {dc.generation_policy.label}] >>> {dc.prompt}{text}")
     print(f"\nwrote {a.out}/demo.json and {a.out}/demo.png")
+
+
+# ---- generate ------------------------------------------------------------------------------------
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text; several --prompt are rounds of one chat")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    p.add_argument("--prompt", action="append", required=True,
+                   help="text to continue; repeat for several rounds sharing one cache")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy decoding")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens only (0: no limit)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens with this much probability")
+    p.add_argument("--sinks", type=int, default=4, help="sink tokens kept in the cache")
+    p.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.set_defaults(fn=cmd_generate)
 
 
 def cmd_generate(a) -> None:
     import jax
     import jax.numpy as jnp
-    from .cache import init_cache
+
     from .generate import SamplingConfig, generate
+    from .policy import CachePolicy, can_stream
     if a.sinks < 0 or a.cache <= a.sinks:
         raise CliError(f"--cache {a.cache} must exceed --sinks {a.sinks} (>= 0): the window "
                        f"(--cache - --sinks) holds the recent tokens")
-    cfg, params, tok = _load(a.model)
+    cfg, params, tok = load(a.model)
     try:
         sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)
-        if cfg.pos_emb == "learned":  # absolute positions: a dense cache, never a ring
+        pc = CachePolicy("streaming", a.sinks, a.cache)
+        if not can_stream(cfg):
             print(f"note: {cfg.family} cannot stream; using a dense cache of {a.cache} tokens",
                   file=sys.stderr)
-            cache = init_cache(cfg, 1, sinks=0, window=a.cache, evict=False)
-        else:
-            cache = init_cache(cfg, 1, sinks=a.sinks, window=a.cache - a.sinks)
+            pc = CachePolicy("dense", 0, a.cache)
+        cache = pc.make_cache(cfg, 1, a.cache)
     except ValueError as e:
         raise CliError(str(e)) from None
     key = jax.random.key(a.seed)
@@ -207,62 +301,42 @@ def cmd_generate(a) -> None:
         print(("\n" if i else "") + prompt + tok.decode(list(res.tokens[0, :n])), flush=True)
 
 
-def _sources(model: str) -> list:
-    """The directory a --model reads from (none for embedded and random models)."""
-    return [model] if os.path.isdir(model) else []
+# ---- quantize ------------------------------------------------------------------------------------
 
-
-def _check_out(a, sources) -> None:
-    """Refuse an --out that would lose data before any work is done (see check_output_dir)."""
-    from .io import check_output_dir
-    try:
-        check_output_dir(a.out, a.overwrite, sources)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-
-
-def cmd_convert(a) -> None:
-    import jax
-    import jax.numpy as jnp
-
-    from convert import from_hf
-    from convert.hf import has_tokenizer
-
-    from .io import save_model
-    _check_out(a, [a.hf])
-    try:
-        cfg, params = from_hf(a.hf, allow_pickle=a.allow_pickle, progress=not a.quiet,
-                              dtype=jnp.dtype(a.dtype))
-        save_model(a.out, cfg, params, tokenizer=a.hf if has_tokenizer(a.hf) else None,
-                   format=a.format, overwrite=a.overwrite, sources=[a.hf])
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        raise CliError(str(e)) from None
-    n = sum(x.size for x in jax.tree.leaves(params))
-    print(f"converted {cfg.family} ({n / 1e6:.1f}M parameters, {cfg.num_layers} layers) "
-          f"-> {a.out} [{a.format}]")
-    if not has_tokenizer(a.hf):
-        print(f"note: {a.hf} has no tokenizer files, so neither has {a.out}: text commands will "
-              f"ask for one (copy the tokenizer files into {a.out}/tokenizer)", file=sys.stderr)
-
-
-def cmd_export_hf(a) -> None:
-    from convert import to_hf
-
-    from .io import TOKENIZER_DIR
-    from .tokenizer import ByteTokenizer
-    _check_out(a, _sources(a.model))
-    cfg, params, tok = _load(a.model, need_tokenizer=False)
-    tok_dir = os.path.join(a.model, TOKENIZER_DIR)
-    try:
-        to_hf(cfg, params, a.out, tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
-              progress=not a.quiet, overwrite=a.overwrite, sources=_sources(a.model))
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    print(f"wrote {a.out}: load it with transformers.AutoModelForCausalLM.from_pretrained")
-    if isinstance(tok, ByteTokenizer):
-        print("note: the model uses jaxllm's byte tokenizer (ids = UTF-8 bytes, specials "
-              "256-263), which has no transformers equivalent; no tokenizer was written",
-              file=sys.stderr)
+def add_quantize(sub) -> None:
+    p = sub.add_parser("quantize", help="SmoothQuant W8A8: calibrate, smooth, quantize to int8")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    p.add_argument("--scheme", default="o1", choices=["o1", "o2", "o3", "w8"],
+                   help="o1/o2/o3 as in the paper (W per-tensor; A per-token, per-tensor "
+                        "dynamic, per-tensor static), w8 weight-only")
+    p.add_argument("--alpha", default=None,
+                   help="migration strength in [0, 1], or 'auto' (grid search on held-out "
+                        "calibration text); default: the family's value from the paper")
+    p.add_argument("--no-smooth", action="store_true", help="naive quantization, no smoothing")
+    p.add_argument("--smooth-down", action="store_true",
+                   help="SwiGLU: also smooth down_proj's input through up_proj")
+    p.add_argument("--per-channel-weights", action="store_true",
+                   help="per-output-channel weight scales instead of the scheme's per-tensor")
+    p.add_argument("--int8-attention", action="store_true",
+                   help="also run the attention products QK^T and PV in INT8")
+    p.add_argument("--float-embedding", action="store_true",
+                   help="keep the embedding table in float (the SmoothQuant authors' setting; "
+                        "by default it is int8 per row)")
+    p.add_argument("--float-head", action="store_true",
+                   help="keep the output head in float (the SmoothQuant authors' setting; by "
+                        "default it is per-channel W8 with per-token activations)")
+    p.add_argument("--fake", action="store_true",
+                   help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
+    p.add_argument("--calib-text", help="UTF-8 calibration text (default: the embedded corpus)")
+    p.add_argument("--n-seqs", type=int, default=512, help="calibration sequences")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--out", required=True, help="model directory to write")
+    p.add_argument("--format", choices=["orbax", "safetensors"], default="safetensors",
+                   help="how the quantized weights are stored")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--json", help="write what was chosen (alpha, search losses) here")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(fn=cmd_quantize)
 
 
 def cmd_quantize(a) -> None:
@@ -270,20 +344,21 @@ def cmd_quantize(a) -> None:
     from .io import save_model
     from .smoothquant import CalibConfig, quantize
     from .tokenizer import ByteTokenizer
-    _check_out(a, _sources(a.model))
-    cfg, params, tok = _load(a.model)
+    check_out(a, sources(a.model))
+    cfg, params, tok = load(a.model)
     alpha = a.alpha if a.alpha in (None, "auto") else _float(a.alpha, "--alpha")
     ids = tok.encode(read_text(a.calib_text) if a.calib_text else builtin_corpus())
     try:
         q, info = quantize(params, cfg, ids, a.scheme, alpha, smooth=not a.no_smooth,
-                           smooth_down=a.smooth_down, real=not a.fake, bmm=a.int8_attention,
+                           smooth_down=a.smooth_down, real=not a.fake,
+                           int8_attention=a.int8_attention,
                            per_channel=True if a.per_channel_weights else None,
                            quantize_embedding=not a.float_embedding,
                            quantize_head=not a.float_head,
                            calib=CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len),
                            progress=not a.quiet, return_info=True)
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok.name,
-                   format=a.format, overwrite=a.overwrite, sources=_sources(a.model))
+                   format=a.format, overwrite=a.overwrite, sources=sources(a.model))
     except ValueError as e:
         raise CliError(str(e)) from None
     if "losses" in info:
@@ -293,14 +368,67 @@ def cmd_quantize(a) -> None:
           + (f", alpha {info['alpha']}" if info["smooth"] else ", no smoothing")
           + f" ({'real int8' if not a.fake else 'fake-quant'}) -> {a.out}")
     if a.json:
-        _write_json(a.json, dict(info, model=a.model))
+        write_json(a.json, dict(info, model=a.model))
 
 
-def _float(s: str, flag: str) -> float:
-    try:
-        return float(s)
-    except ValueError:
-        raise CliError(f"{flag} must be a number in [0, 1] or 'auto', got {s!r}") from None
+# ---- eval ----------------------------------------------------------------------------------------
+
+def _outliers_args(p) -> None:
+    p.add_argument("--layer", default=None, help="linear layer, e.g. layer_0/attn/q (the default)")
+    p.add_argument("--alpha", default=None, help="migration strength (family default)")
+    p.add_argument("--n-seqs", type=int, default=16, help="calibration sequences")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+
+
+def _sinks_args(p) -> None:
+    p.add_argument("--n", type=int, default=16, help="sequences averaged")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--eps", type=float, default=0.3, help="sink threshold")
+
+
+def _streameval_args(p) -> None:
+    add_policy_args(p)
+    p.add_argument("--lines", type=int, default=400, help="register lines in the stream")
+    p.add_argument("--bucket", type=int, default=2000,
+                   help="report accuracy per this many tokens of input")
+
+
+def _qa_args(p) -> None:
+    add_policy_args(p)
+    p.add_argument("--data", help="JSONL of {question, answer, choices?} (default: the built-in "
+                                  "synthetic sample)")
+    p.add_argument("--repeat", type=int, default=50,
+                   help="with the sample: how many times to repeat it")
+
+
+def _passkey_args(p) -> None:
+    add_policy_args(p)
+    p.add_argument("--lengths", default="500,1000,2000", help="stream lengths (tokens)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="key depths in [0, 1]")
+    p.add_argument("--trials", type=int, default=5, help="keys per length and depth")
+
+
+EVAL_TASKS = {  # name: (help, its own options)
+    "streameval": ("register lines queried 20 lines back (StreamingLLM Fig. 9)", _streameval_args),
+    "passkey": ("a 5-digit key hidden in filler, by length and depth", _passkey_args),
+    "qa": ("question/answer records from a JSONL file in one stream", _qa_args),
+    "sinks": ("attention maps and the sink metric per layer", _sinks_args),
+    "outliers": ("activation outlier channels before/after smoothing", _outliers_args),
+}
+
+
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="StreamEval, passkey retrieval, attention-sink analysis")
+    tasks = p.add_subparsers(dest="task", required=True)
+    for name, (hlp, own_args) in EVAL_TASKS.items():
+        t = tasks.add_parser(name, help=hlp)
+        t.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+        t.add_argument("--out", default=f"eval_out/{name}", help="writes OUT.json and OUT.png")
+        t.add_argument("--seed", type=int, default=0,
+                       help="random seed (task content, sampled sequences)")
+        t.add_argument("--quiet", action="store_true", help="no progress output")
+        own_args(t)
+        t.set_defaults(fn=cmd_eval)
 
 
 def _check_eval_args(a) -> None:
@@ -331,102 +459,108 @@ def _check_eval_args(a) -> None:
                                                       f"{a.depths}")
 
 
-def cmd_eval(a) -> None:
-    """StreamEval, passkey and attention-sink analysis; each writes OUT.json next to OUT.png."""
+def _eval_outliers(a, cfg, params, tok) -> dict:
+    from .corpus import builtin_corpus
+    from .smoothquant import CalibConfig, outlier_report, plot_outliers
+    try:
+        rep = outlier_report(params, cfg, tok.encode(builtin_corpus()), a.layer,
+                             None if a.alpha is None else _float(a.alpha, "--alpha"),
+                             CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(f"{rep['layer']}: activation max/median per channel "
+          f"{rep['act_max_over_median_before']:.1f} before smoothing, "
+          f"{rep['act_max_over_median_after']:.1f} after (alpha {rep['alpha']})")
+    plot_outliers(rep, a.out + ".png", a.model)
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in rep.items()}
+
+
+def _eval_sinks(a, cfg, params, tok) -> dict:
+    from .corpus import builtin_corpus
     from .evals import attention as att
-    from .evals import passkey, streameval
+    try:
+        maps, result = att.sink_report(params, cfg, tok.encode(builtin_corpus()), a.n,
+                                       a.seq_len, a.eps, a.seed)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(f"sink metric (share of heads with mean attention to token 0 > {a.eps}): "
+          f"{result['overall']:.2f}; per layer " + " ".join(f"{x:.2f}" for x in result["per_layer"]))
+    att.plot_maps(maps, a.out + ".png", f"{a.model}: attention over the first 16 tokens, "
+                  f"sink metric {result['overall']:.2f}")
+    return result
+
+
+def _eval_streameval(a, cfg, params, tok, pc) -> dict:
+    from .evals import streameval
     from .evals.common import score_task
+    task = streameval.streameval_task(a.lines, tok.encode, a.seed)
+    ok = score_task(params, cfg, task, pc, progress=not a.quiet)
+    rows = streameval.accuracy_by_length(task, ok, a.bucket)
+    print(f"StreamEval {pc.label}: accuracy {ok.mean():.3f} over {len(ok)} queries, "
+          f"{len(task.ids)} tokens")
+    streameval.plot_accuracy(rows, a.out + ".png", f"{a.model} · StreamEval · {pc.label}")
+    return dict(tokens=int(len(task.ids)), queries=len(ok), accuracy=float(ok.mean()),
+                by_length=rows)
+
+
+def _eval_qa(a, cfg, params, tok, pc) -> dict:
+    from .evals import qa
+    from .evals.common import score_task
+    try:
+        records = qa.read_jsonl(a.data) if a.data else qa.SAMPLE * a.repeat
+    except (OSError, ValueError) as e:
+        raise CliError(str(e)) from None
+    task = qa.qa_task(records, tok.encode)
+    ok = score_task(params, cfg, task, pc, progress=not a.quiet)
+    print(f"streaming QA {pc.label}: exact match {ok.mean():.3f} over {len(ok)} answers, "
+          f"{len(task.ids)} tokens")
+    qa.plot_running(ok, a.out + ".png", f"{a.model} · streaming QA · {pc.label}")
+    return dict(data=a.data or "sample", records=len(ok), tokens=int(len(task.ids)),
+                accuracy=float(ok.mean()), correct=[bool(x) for x in ok])
+
+
+def _eval_passkey(a, cfg, params, tok, pc) -> dict:
+    from .evals import passkey
+    report = None if a.quiet else (
+        lambda n, d, acc: print(f"  {n} tokens, depth {d:.2f}: {acc:.2f}", flush=True))
+    grid = passkey.passkey_grid(params, cfg, tok.encode, pc, a.lengths_list, a.depths_list,
+                                a.trials, a.seed, report)
+    print(f"passkey {pc.label}: mean accuracy {grid.mean():.3f}")
+    passkey.plot_heatmap(grid, a.lengths_list, a.depths_list, a.out + ".png",
+                         f"{a.model} · passkey · {pc.label}")
+    return dict(lengths=a.lengths_list, depths=a.depths_list, trials=a.trials,
+                accuracy=grid.tolist(), mean=float(grid.mean()))
+
+
+def cmd_eval(a) -> None:
+    """StreamEval, passkey, QA and attention-sink analysis; each writes OUT.json and OUT.png."""
     _check_eval_args(a)
     # The output directory first: a finished evaluation must never die on a missing folder.
-    _make_parent(a.out)
-    cfg, params, tok = _load(a.model)
+    make_parent(a.out)
+    cfg, params, tok = load(a.model)
     result = {"model": a.model, "task": a.task}
-    if a.task == "outliers":
-        from .corpus import builtin_corpus
-        from .smoothquant import CalibConfig, outlier_report, plot_outliers
-        try:
-            rep = outlier_report(params, cfg, tok.encode(builtin_corpus()), a.layer,
-                                 None if a.alpha is None else _float(a.alpha, "--alpha"),
-                                 CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len))
-        except ValueError as e:
-            raise CliError(str(e)) from None
-        ratio = lambda v: float(v.max() / np.median(v))  # noqa: E731 - outlier strength
-        result.update({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in rep.items()},
-                      act_max_over_median_before=ratio(rep["act_before"]),
-                      act_max_over_median_after=ratio(rep["act_after"]))
-        print(f"{rep['layer']}: activation max/median per channel {ratio(rep['act_before']):.1f}"
-              f" before smoothing, {ratio(rep['act_after']):.1f} after (alpha {rep['alpha']})")
-        plot_outliers(rep, a.out + ".png", a.model)
-    elif a.task == "sinks":
-        from .corpus import builtin_corpus
-        ids = np.asarray(tok.encode(builtin_corpus()), np.int32)
-        need = a.n * a.seq_len
-        if len(ids) < need:
-            raise CliError(f"the corpus has {len(ids)} tokens; --n x --seq-len needs {need}")
-        starts = np.random.default_rng(a.seed).integers(0, len(ids) - a.seq_len, a.n)
-        maps = att.attention_maps(params, cfg, np.stack([ids[s:s + a.seq_len] for s in starts]))
-        result.update(att.sink_metric(maps, 0, a.eps), n=a.n, seq_len=a.seq_len)
-        print(f"sink metric (share of heads with mean attention to token 0 > {a.eps}): "
-              f"{result['overall']:.2f}; per layer "
-              + " ".join(f"{x:.2f}" for x in result["per_layer"]))
-        att.plot_maps(maps, a.out + ".png", f"{a.model}: attention over the first 16 tokens, "
-                      f"sink metric {result['overall']:.2f}")
+    if a.task in ("outliers", "sinks"):
+        run = _eval_outliers if a.task == "outliers" else _eval_sinks
+        result.update(run(a, cfg, params, tok))
     else:
-        pc = _ppl_config(a)
-        _check_streamable(cfg, pc)
+        pc = policy(a)
+        check_streamable(cfg, pc)
         result.update(method=pc.method, sinks=pc.sinks, cache=pc.cache)
-        if a.task == "streameval":
-            task = streameval.streameval_task(a.lines, tok.encode, a.seed)
-            ok = score_task(params, cfg, task, pc, progress=not a.quiet)
-            rows = streameval.accuracy_by_length(task, ok, a.bucket)
-            result.update(tokens=int(len(task.ids)), queries=len(ok), accuracy=float(ok.mean()),
-                          by_length=rows)
-            print(f"StreamEval {pc.method} {pc.sinks}+{pc.cache - pc.sinks}: accuracy "
-                  f"{ok.mean():.3f} over {len(ok)} queries, {len(task.ids)} tokens")
-            streameval.plot_accuracy(rows, a.out + ".png", f"{a.model} · StreamEval · "
-                                     f"{pc.method} {pc.sinks}+{pc.cache - pc.sinks}")
-        elif a.task == "qa":
-            from .evals import qa
-            try:
-                records = qa.read_jsonl(a.data) if a.data else qa.SAMPLE * a.repeat
-            except (OSError, ValueError) as e:
-                raise CliError(str(e)) from None
-            task = qa.qa_task(records, tok.encode)
-            ok = score_task(params, cfg, task, pc, progress=not a.quiet)
-            result.update(data=a.data or "sample", records=len(ok), tokens=int(len(task.ids)),
-                          accuracy=float(ok.mean()), correct=[bool(x) for x in ok])
-            print(f"streaming QA {pc.method} {pc.sinks}+{pc.cache - pc.sinks}: exact match "
-                  f"{ok.mean():.3f} over {len(ok)} answers, {len(task.ids)} tokens")
-            qa.plot_running(ok, a.out + ".png", f"{a.model} · streaming QA · {pc.method} "
-                            f"{pc.sinks}+{pc.cache - pc.sinks}")
-        else:
-            lengths, depths = a.lengths_list, a.depths_list
-            rng = np.random.default_rng(a.seed)
-            grid = np.zeros((len(lengths), len(depths)))
-            for i, n in enumerate(lengths):
-                for j, d in enumerate(depths):
-                    keys = [f"{k:05d}" for k in rng.integers(0, 100_000, a.trials)]
-                    grid[i, j] = np.mean([score_task(params, cfg, passkey.passkey_task(
-                        n, d, k, tok.encode), pc)[0] for k in keys])
-                    if not a.quiet:
-                        print(f"  {n} tokens, depth {d:.2f}: {grid[i, j]:.2f}", flush=True)
-            result.update(lengths=lengths, depths=depths, trials=a.trials,
-                          accuracy=grid.tolist(), mean=float(grid.mean()))
-            print(f"passkey {pc.method} {pc.sinks}+{pc.cache - pc.sinks}: mean accuracy "
-                  f"{grid.mean():.3f}")
-            passkey.plot_heatmap(grid, lengths, depths, a.out + ".png",
-                                 f"{a.model} · passkey · {pc.method} "
-                                 f"{pc.sinks}+{pc.cache - pc.sinks}")
+        run = {"streameval": _eval_streameval, "qa": _eval_qa, "passkey": _eval_passkey}[a.task]
+        result.update(run(a, cfg, params, tok, pc))
     print(f"wrote {a.out}.png")
-    _write_json(a.out + ".json", result)
+    write_json(a.out + ".json", result)
 
 
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose help shows every option's default (subcommands inherit it)."""
+# ---- the parser ----------------------------------------------------------------------------------
 
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
+COMMANDS = (add_ppl, add_demo, add_generate, add_quantize, add_eval)
+
+
+def plugin_commands() -> list:
+    """``add_<name>(sub)`` builders other packages register (group ``jaxllm.commands``)."""
+    from importlib.metadata import entry_points
+    return [ep.load() for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -434,157 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
                "generation, SmoothQuant, evaluations and conversion (a thin layer over the "
                "Python API).")
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    q = sub.add_parser("ppl", help="streaming perplexity of a text through a cache policy")
-    q.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    src = q.add_mutually_exclusive_group()
-    src.add_argument("--text", help="UTF-8 text file to score")
-    src.add_argument("--corpus", choices=["builtin"], default="builtin",
-                     help="score the embedded corpus (Python's own documentation) when no "
-                          "--text is given")
-    q.add_argument("--method", default="streaming",
-                   help="cache policy: dense | window | recompute | streaming")
-    q.add_argument("--sinks", type=int, default=None,
-                   help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
-    q.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
-    q.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
-    q.add_argument("--max-tokens", type=int, default=0, help="score at most N tokens (0 = all)")
-    q.add_argument("--json", help="write the summary here")
-    q.add_argument("--plot", help="write the NLL-vs-position plot here (PNG)")
-    q.add_argument("--quiet", action="store_true", help="no progress bar")
-    q.set_defaults(fn=cmd_ppl)
-
-    d = sub.add_parser("demo", help="the main job on the embedded models: dense / window / "
-                                     "StreamingLLM / recompute (and INT8) with a plot")
-    d.add_argument("--model", action="append", default=None,
-                   help="LABEL=MODEL or MODEL, repeatable (default: vanilla=embedded and "
-                        "sink=embedded-sink)")
-    d.add_argument("--tokens", type=int, default=4096, help="stream length")
-    d.add_argument("--cache", type=int, default=128, help="sinks + window")
-    d.add_argument("--sinks", type=int, default=4,
-                   help="sink tokens of the StreamingLLM and recompute rows")
-    d.add_argument("--no-int8", action="store_true", help="skip the SmoothQuant INT8 row")
-    d.add_argument("--out", default="demo_out",
-                   help="directory for demo.json and demo.png")
-    d.set_defaults(fn=cmd_demo)
-
-    g = sub.add_parser("generate", help="generate text; several --prompt are rounds of one chat")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    g.add_argument("--prompt", action="append", required=True,
-                   help="text to continue; repeat for several rounds sharing one cache")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 is greedy decoding")
-    g.add_argument("--top-k", type=int, default=0,
-                   help="sample from the k most likely tokens only (0: no limit)")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: the smallest set of tokens with this much probability")
-    g.add_argument("--sinks", type=int, default=4, help="sink tokens kept in the cache")
-    g.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
-    g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    g.set_defaults(fn=cmd_generate)
-
-    c = sub.add_parser("convert", help="convert a Hugging Face model directory to jaxllm")
-    c.add_argument("--hf", required=True, help="local HF directory (config.json + safetensors)")
-    c.add_argument("--out", required=True, help="jaxllm model directory to write")
-    c.add_argument("--format", choices=["orbax", "safetensors"], default="orbax",
-                   help="orbax (restorable into a sharding; default) or one safetensors file")
-    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="parameter storage dtype")
-    c.add_argument("--allow-pickle", action="store_true",
-                   help="read pytorch_model*.bin (pickle) when no safetensors exist; only for "
-                        "files you trust")
-    c.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.set_defaults(fn=cmd_convert)
-
-    z = sub.add_parser("quantize", help="SmoothQuant W8A8: calibrate, smooth, quantize to int8")
-    z.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    z.add_argument("--scheme", default="o1", choices=["o1", "o2", "o3", "w8"],
-                   help="o1/o2/o3 as in the paper (W per-tensor; A per-token, per-tensor "
-                        "dynamic, per-tensor static), w8 weight-only")
-    z.add_argument("--alpha", default=None,
-                   help="migration strength in [0, 1], or 'auto' (grid search on held-out "
-                        "calibration text); default: the family's value from the paper")
-    z.add_argument("--no-smooth", action="store_true", help="naive quantization, no smoothing")
-    z.add_argument("--smooth-down", action="store_true",
-                   help="SwiGLU: also smooth down_proj's input through up_proj")
-    z.add_argument("--per-channel-weights", action="store_true",
-                   help="per-output-channel weight scales instead of the scheme's per-tensor")
-    z.add_argument("--int8-attention", action="store_true",
-                   help="also run the attention products QK^T and PV in INT8")
-    z.add_argument("--float-embedding", action="store_true",
-                   help="keep the embedding table in float (the SmoothQuant authors' setting; "
-                        "by default it is int8 per row)")
-    z.add_argument("--float-head", action="store_true",
-                   help="keep the output head in float (the SmoothQuant authors' setting; by "
-                        "default it is per-channel W8 with per-token activations)")
-    z.add_argument("--fake", action="store_true",
-                   help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
-    z.add_argument("--calib-text", help="UTF-8 calibration text (default: the embedded corpus)")
-    z.add_argument("--n-seqs", type=int, default=512, help="calibration sequences")
-    z.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
-    z.add_argument("--out", required=True, help="model directory to write")
-    z.add_argument("--format", choices=["orbax", "safetensors"], default="safetensors",
-                   help="how the quantized weights are stored")
-    z.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    z.add_argument("--json", help="write what was chosen (alpha, search losses) here")
-    z.add_argument("--quiet", action="store_true", help="no progress bars")
-    z.set_defaults(fn=cmd_quantize)
-
-    ev = sub.add_parser("eval", help="StreamEval, passkey retrieval, attention-sink analysis")
-    evs = ev.add_subparsers(dest="task", required=True)
-    for name, hlp in (("streameval", "register lines queried 20 lines back (StreamingLLM Fig. 9)"),
-                      ("passkey", "a 5-digit key hidden in filler, by length and depth"),
-                      ("qa", "question/answer records from a JSONL file in one stream"),
-                      ("sinks", "attention maps and the sink metric per layer"),
-                      ("outliers", "activation outlier channels before/after smoothing")):
-        t = evs.add_parser(name, help=hlp)
-        t.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-        t.add_argument("--out", default=f"eval_out/{name}",
-                       help="writes OUT.json and OUT.png")
-        t.add_argument("--seed", type=int, default=0,
-                       help="random seed (task content, sampled sequences)")
-        t.add_argument("--quiet", action="store_true", help="no progress output")
-        if name == "outliers":
-            t.add_argument("--layer", default=None,
-                           help="linear layer, e.g. layer_0/attn/q (the default)")
-            t.add_argument("--alpha", default=None, help="migration strength (family default)")
-            t.add_argument("--n-seqs", type=int, default=16, help="calibration sequences")
-            t.add_argument("--seq-len", type=int, default=256,
-                           help="tokens per calibration sequence")
-        elif name == "sinks":
-            t.add_argument("--n", type=int, default=16, help="sequences averaged")
-            t.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-            t.add_argument("--eps", type=float, default=0.3, help="sink threshold")
-        else:
-            t.add_argument("--method", default="streaming",
-                           help="cache policy: dense | window | recompute | streaming")
-            t.add_argument("--sinks", type=int, default=None,
-                           help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
-            t.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
-            t.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
-        if name == "streameval":
-            t.add_argument("--lines", type=int, default=400, help="register lines in the stream")
-            t.add_argument("--bucket", type=int, default=2000,
-                           help="report accuracy per this many tokens of input")
-        if name == "qa":
-            t.add_argument("--data", help="JSONL of {question, answer, choices?} (default: the "
-                                          "built-in synthetic sample)")
-            t.add_argument("--repeat", type=int, default=50,
-                           help="with the sample: how many times to repeat it")
-        if name == "passkey":
-            t.add_argument("--lengths", default="500,1000,2000", help="stream lengths (tokens)")
-            t.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="key depths in [0, 1]")
-            t.add_argument("--trials", type=int, default=5, help="keys per length and depth")
-        t.set_defaults(fn=cmd_eval)
-
-    e = sub.add_parser("export-hf", help="write a GPT-NeoX/Llama/Mistral model in HF format")
-    e.add_argument("--model", required=True, help=MODEL_HELP)
-    e.add_argument("--out", required=True, help="directory to write (config.json + safetensors)")
-    e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    e.add_argument("--quiet", action="store_true", help="no progress bar")
-    e.set_defaults(fn=cmd_export_hf)
+    for add in COMMANDS + tuple(plugin_commands()):
+        add(sub)
     return p
 
 

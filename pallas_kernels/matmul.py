@@ -62,6 +62,20 @@ def _pad2(a, rows: int, cols: int):
     return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
 
 
+def _check(cond: bool, msg: str) -> None:
+    """Shape and dtype errors at trace time, named, instead of a lowering failure later."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def _matmul_cost(B: int, M: int, N: int, K: int, out_dtype) -> pl.CostEstimate:
+    """What one call does, for XLA's scheduler (an opaque custom call otherwise looks free):
+    the int8 multiply-adds and the bytes of both operands, the scales and the output."""
+    out = jnp.dtype(out_dtype).itemsize
+    return pl.CostEstimate(flops=2 * B * M * N * K, transcendentals=0,
+                           bytes_accessed=B * (M * K + N * K + 4 * (M + 2 * N) + out * M * N))
+
+
 def _dot_nt(a, b):
     """a [m, k] · b [n, k]ᵀ -> int32 [m, n]."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
@@ -110,7 +124,16 @@ def w8a8_matmul(x, w, sx, sw, bias=None, out_dtype=jnp.float32, *, backend: str,
     ``sx``: [M] (per token) or [] (per tensor); ``sw``: [N] (per channel) or [].
     ``out_dtype=int32`` returns the raw int32 accumulator (scales and bias unused). ``backend``:
     ``triton`` or ``tpu`` (see the module docstring); ``interpret`` runs it on CPU."""
+    _check(x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[1],
+           f"w8a8_matmul needs x [M, K] and w [N, K] (K-major) with the same K; got "
+           f"{x.shape} and {w.shape}")
     M, N = x.shape[0], w.shape[0]
+    _check(jnp.ndim(sx) == 0 or jnp.shape(sx) == (M,), f"sx must be [] or [M]=({M},), got "
+           f"{jnp.shape(sx)}")
+    _check(jnp.ndim(sw) == 0 or jnp.shape(sw) == (N,), f"sw must be [] or [N]=({N},), got "
+           f"{jnp.shape(sw)}")
+    _check(bias is None or bias.shape == (N,), f"bias must be [N]=({N},), got "
+           f"{None if bias is None else bias.shape}")
     sx = jnp.broadcast_to(jnp.asarray(sx, jnp.float32), (M,))
     sw = jnp.broadcast_to(jnp.asarray(sw, jnp.float32), (N,))
     bias = jnp.zeros((N,), jnp.float32) if bias is None else bias.astype(jnp.float32)
@@ -122,6 +145,12 @@ def int8_bmm(a, b, sa, sb, out_dtype=jnp.float32, *, backend: str, interpret: bo
              blocks: Optional[Blocks] = None):
     """Batched W8A8 product a [B, M, K] · b [B, N, K]ᵀ -> [B, M, N] with scales sa [B, M] and
     sb [B, N] (attention's QKᵀ and PV): the matmul kernel with a leading batch grid axis."""
+    _check(a.ndim == 3 and b.ndim == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[2],
+           f"int8_bmm needs a [B, M, K] and b [B, N, K] with the same B and K; got {a.shape} "
+           f"and {b.shape}")
+    _check(sa.shape == a.shape[:2] and sb.shape == b.shape[:2],
+           f"scales must be sa [B, M]={a.shape[:2]} and sb [B, N]={b.shape[:2]}; got "
+           f"{sa.shape} and {sb.shape}")
     zero = jnp.zeros(sb.shape, jnp.float32)
     return _batched_jit(a, b, sa.astype(jnp.float32), sb.astype(jnp.float32), zero, out_dtype,
                         backend, blocks, interpret)
@@ -131,7 +160,10 @@ def _batched(x, w, sx, sw, bias, out_dtype, backend, blocks, interpret):
     """x [B, M, K], w [B, N, K], sx [B, M], sw / bias [B, N] -> [B, M, N]."""
     B, M, K = x.shape
     N = w.shape[1]
+    _check(x.dtype == jnp.int8 and w.dtype == jnp.int8, f"the INT8 kernels take int8 operands, "
+           f"got {x.dtype} and {w.dtype} (quantize first: pallas_kernels.quantize_per_token)")
     b = blocks or default_blocks(backend, M)
+    cost = _matmul_cost(B, M, N, K, out_dtype)
     Mp, Np, Kp = _round_up(M, b.bm), _round_up(N, b.bn), _round_up(K, b.bk)
     pad = lambda a, *sizes: jnp.pad(a, [(0, 0)] + [(0, t - n) for t, n in zip(sizes, a.shape[1:])])  # noqa: E731
     xp, wp = pad(x, Mp, Kp), pad(w, Np, Kp)
@@ -149,7 +181,7 @@ def _batched(x, w, sx, sw, bias, out_dtype, backend, blocks, interpret):
                       pl.BlockSpec((None, b.bn), lambda z, i, j: (z, j)),
                       pl.BlockSpec((None, b.bn), lambda z, i, j: (z, j))],
             out_specs=pl.BlockSpec((None, b.bm, b.bn), lambda z, i, j: (z, i, j)),
-            out_shape=out_shape, interpret=interpret,
+            out_shape=out_shape, interpret=interpret, cost_estimate=cost,
             compiler_params=pl_triton.CompilerParams(num_warps=b.num_warps,
                                                      num_stages=b.num_stages),
         )(xp, wp, sxp, swp, bp)
@@ -165,7 +197,7 @@ def _batched(x, w, sx, sw, bias, out_dtype, backend, blocks, interpret):
                       pl.BlockSpec((None, 1, b.bn), lambda z, i, j, k: (z, 0, j))],
             out_specs=pl.BlockSpec((None, b.bm, b.bn), lambda z, i, j, k: (z, i, j)),
             out_shape=out_shape,
-            scratch_shapes=[pltpu.VMEM((b.bm, b.bn), jnp.int32)],
+            scratch_shapes=[pltpu.VMEM((b.bm, b.bn), jnp.int32)], cost_estimate=cost,
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
             interpret=pltpu.InterpretParams() if interpret else False,
@@ -216,7 +248,11 @@ def quantize_per_token(x, gamma=None, beta=None, *, norm: Optional[str] = None,
     in one pass over x. Returns (q [M, D] int8, scale [M] float32)."""
     if norm not in (None, "layernorm", "rmsnorm"):
         raise ValueError(f"unknown norm {norm!r}; use layernorm, rmsnorm or None")
+    _check(x.ndim == 2, f"quantize_per_token takes rows x [M, D], got shape {x.shape}")
     M, D = x.shape
+    for name, v in (("gamma", gamma), ("beta", beta)):
+        _check(v is None or v.shape == (D,), f"{name} must be [D]=({D},), got "
+               f"{None if v is None else v.shape}")
     bm = block_rows or (32 if backend == "tpu" else 16)
     Dp = _round_up(D, 128)  # lane-dense rows on TPU; a power-of-two-friendly width on GPU
     if backend == "triton":
@@ -244,6 +280,11 @@ def quantize_per_token(x, gamma=None, beta=None, *, norm: Optional[str] = None,
         out_specs=[pl.BlockSpec((bm, Dp), lambda i: (i, 0)),
                    pl.BlockSpec((bm, 1), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((Mp, Dp), jnp.int8),
-                   jax.ShapeDtypeStruct((Mp, 1), jnp.float32)], **kw,
+                   jax.ShapeDtypeStruct((Mp, 1), jnp.float32)],
+        # a read of x, a write of q and scale; the norm is a few flops per element, one rsqrt
+        # per row
+        cost_estimate=pl.CostEstimate(flops=8 * M * D, transcendentals=M,
+                                      bytes_accessed=M * D * (x.dtype.itemsize + 1) + 4 * M),
+        **kw,
     )(xp, g, bt)
     return q[:M, :D], s[:M, 0]

@@ -211,3 +211,19 @@ def test_gpu_int8_bmm():
     want = acc * np.asarray(sa, np.float64)[..., None] * np.asarray(sb, np.float64)[:, None]
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6,
                                atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", ["triton", "tpu"])
+def test_bad_shapes_are_named_before_lowering(backend):
+    x, w = jnp.zeros((4, 32), jnp.int8), jnp.zeros((8, 16), jnp.int8)
+    with pytest.raises(ValueError, match="same K"):
+        pk.w8a8_matmul(x, w, 1.0, 1.0, backend=backend, interpret=True)
+    with pytest.raises(ValueError, match=r"sw must be \[\] or \[N\]"):
+        pk.w8a8_matmul(x, jnp.zeros((8, 32), jnp.int8), 1.0, jnp.ones(3), backend=backend,
+                       interpret=True)
+    with pytest.raises(ValueError, match="int8 operands"):
+        pk.w8a8_matmul(x.astype(jnp.float32), jnp.zeros((8, 32), jnp.int8), 1.0, 1.0,
+                       backend=backend, interpret=True)
+    with pytest.raises(ValueError, match="gamma must be"):
+        pk.quantize_per_token(jnp.ones((4, 32)), jnp.ones(16), norm="rmsnorm", backend=backend,
+                              interpret=True)

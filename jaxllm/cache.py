@@ -34,7 +34,7 @@ after a thousand.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from .config import ModelConfig
+from .kvquant import KVQuant, empty_kivi, empty_store
 
 
 @struct.dataclass
@@ -56,8 +57,8 @@ class KVCache:
     ``head`` [B]: ring offset the next non-sink token is written to.
     """
 
-    k: tuple[Float[Array, "b n c h"], ...]
-    v: tuple[Float[Array, "b n c h"], ...]
+    k: tuple  # per layer: Float[Array, "b n c h"], or a kvquant store of that shape
+    v: tuple
     length: Int[Array, " b"]
     head: Int[Array, " b"]
     sinks: int = struct.field(pytree_node=False)
@@ -112,11 +113,14 @@ def _as_int(x, name: str) -> int:
 
 
 def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020, *,
-               evict: bool = True, dtype=jnp.float32) -> KVCache:
+               evict: bool = True, dtype=jnp.float32,
+               kv_quant: Optional[KVQuant] = None) -> KVCache:
     """An empty cache of ``sinks + window`` slots per row.
 
     ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
     ``sinks=0`` gives window attention; ``sinks=0, window=L, evict=False`` a dense cache of L tokens.
+    ``kv_quant``: store keys and values in int8 or k-bit codes (jaxllm.kvquant; the sinks stay in
+    ``dtype``), for any of these policies.
     """
     batch, sinks, window = (_as_int(x, n) for x, n in ((batch, "batch"), (sinks, "sinks"),
                                                          (window, "window")))
@@ -131,19 +135,38 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
         raise ValueError(f"the KV cache stores keys and values in a float dtype (float32, "
                          f"bfloat16, float16), got {jnp.dtype(dtype).name}: an integer cache would "
                          f"silently round them")
+    kv_quant = kv_quant or KVQuant()
     shape = (batch, cfg.num_kv_heads, sinks + window, cfg.head_dim)
-    need = 2 * cfg.num_layers * batch * cfg.num_kv_heads * (sinks + window) * cfg.head_dim * \
-        jnp.dtype(dtype).itemsize
+
+    def layer(values: bool = False):
+        if not kv_quant.enabled:
+            return jnp.zeros(shape, dtype)
+        if kv_quant.format == "kivi":
+            return empty_kivi(kv_quant, batch, cfg.num_kv_heads, sinks + window, sinks,
+                              cfg.head_dim, dtype, values)
+        return empty_store(kv_quant, batch, cfg.num_kv_heads, sinks + window, sinks,
+                           cfg.head_dim, dtype)
+
+    kv_quant.check(cfg.head_dim)  # bad settings are named before any allocation
+    kv_quant.check_window(window)
+    need = cfg.num_layers * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
+        jax.eval_shape(lambda: (layer(), layer(True)))))
     have = available_bytes()
     if have is not None and need > have:
         raise ValueError(f"a cache of {sinks}+{window} slots x batch {batch} needs "
                          f"{need / 2**30:.1f} GiB for its keys and values, but only "
                          f"{have / 2**30:.1f} GiB are free on {jax.devices()[0].device_kind}: use "
                          f"a smaller cache (window) or batch")
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+    return KVCache(k=tuple(layer() for _ in range(cfg.num_layers)),
+                   v=tuple(layer(True) for _ in range(cfg.num_layers)),
                    length=jnp.zeros((batch,), jnp.int32), head=jnp.zeros((batch,), jnp.int32),
                    sinks=sinks, evict=evict)
+
+
+def kv_bytes(cache: KVCache) -> int:
+    """Bytes the cache's keys and values take (codes, scales, minima and sinks included),
+    measured from its arrays."""
+    return sum(a.nbytes for a in jax.tree.leaves((cache.k, cache.v)))
 
 
 class ChunkLayout(NamedTuple):
@@ -161,6 +184,13 @@ class ChunkLayout(NamedTuple):
     new_length: Int[Array, " b"]
     new_head: Int[Array, " b"]
     overflow: Bool[Array, " b"]  # dense cache asked to hold more than it can
+    # For stores that quantize by stream order (KIVI): the state before the chunk and each
+    # chunk token's rank among its non-sink tokens (-1: a sink or padding).
+    old_head: Int[Array, " b"]
+    ring_count: Int[Array, " b"]  # non-sink tokens in the ring before the chunk
+    nonsink_rank: Int[Array, "b t"]
+    first_nonsink: Int[Array, " b"]  # chunk index of the first non-sink token
+    n_nonsink: Int[Array, " b"]
 
 
 def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
@@ -216,7 +246,11 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     overflow = (length + lens > S + W)[:, 0] if not cache.evict else jnp.zeros((B,), bool)
     return ChunkLayout(sink_from_chunk, sink_chunk_idx, sink_mask, sink_q_pos, rest_mask,
                        ring_k_pos, jnp.broadcast_to(c, (B, T)), rest_q_pos, write_slot,
-                       new_length, new_head, overflow)
+                       new_length, new_head, overflow, old_head=head[:, 0],
+                       ring_count=jnp.minimum(ring_count, W)[:, 0],
+                       nonsink_rank=jnp.where(nonsink, rank, -1),
+                       first_nonsink=jnp.minimum(n_sink_in_chunk, T)[:, 0],
+                       n_nonsink=n_nonsink[:, 0])
 
 
 def merge_sinks(cache_k: Float[Array, "b n c h"], chunk_k: Float[Array, "b n t h"],
@@ -236,6 +270,35 @@ def write_chunk(cache_k: Float[Array, "b n c h"], chunk_k: Float[Array, "b n t h
     # Advanced indices around a slice put their dims first: the update is [B, T, KVH, Dh].
     return cache_k.at[b_idx, :, lay.write_slot].set(
         chunk_k.transpose(0, 2, 1, 3).astype(cache_k.dtype), mode="drop")
+
+
+def _is_store(layer_kv) -> bool:
+    return not isinstance(layer_kv, jax.Array) and hasattr(layer_kv, "spec")
+
+
+def read_layer(layer_kv, lay: ChunkLayout) -> Float[Array, "b n c h"]:
+    """A layer's keys or values as attention reads them: the float array, or a quantized
+    store dequantized (its sink slots, and KIVI's residual, in full precision)."""
+    return layer_kv.read(lay) if _is_store(layer_kv) else layer_kv
+
+
+def reads_before_write(layer_kv) -> bool:
+    """KIVI attends to the state before a step and quantizes after it, so even a decode step
+    must read the cache before writing its token."""
+    return _is_store(layer_kv) and layer_kv.reads_before_write
+
+
+def as_stored(layer_kv, chunk: Float[Array, "b n t h"]) -> Float[Array, "b n t h"]:
+    """``chunk`` exactly as the cache will return it once written (its dtype; quantized and
+    dequantized), so a chunk attends to its own tokens as the token-by-token process would."""
+    return layer_kv.stored(chunk) if _is_store(layer_kv) else chunk.astype(layer_kv.dtype)
+
+
+def write_layer(layer_kv, chunk: Float[Array, "b n t h"], lay: ChunkLayout):
+    """A layer's keys or values after the chunk is written (see write_chunk)."""
+    scatter = lambda arr, rows: write_chunk(arr, rows, lay)  # noqa: E731
+    return layer_kv.write(chunk, lay, scatter) if _is_store(layer_kv) else \
+        scatter(layer_kv, chunk)
 
 
 def after_write(lay: ChunkLayout) -> tuple[Int[Array, "b c"], Bool[Array, "b 1 c"]]:

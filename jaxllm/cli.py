@@ -94,25 +94,71 @@ def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024) -> None:
                    help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
     p.add_argument("--cache", type=int, default=cache, help="cache size = sinks + window")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
+    add_kv_args(p)
+
+
+KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in full precision): "
+           "none (float); int8 (per token, symmetric: --kv-quant int8); token (k-bit per token "
+           "in groups of --kv-group channels with a float minimum: --kv-quant token --kv-bits "
+           "4); kivi (keys per channel in groups of --kv-group tokens, values per token, the "
+           "last --kv-residual tokens in full precision: --kv-quant kivi --kv-bits 2; the "
+           "window must be a multiple of --kv-residual)")
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-quant", default="none", choices=["none", "int8", "token", "kivi"],
+                   help=KV_HELP)
+    p.add_argument("--kv-bits", type=int, default=4,
+                   help="bits per code: 2, 3, 4 or 8 (token), 2, 4 or 8 (kivi)")
+    p.add_argument("--kv-group", type=int, default=16,
+                   help="channels (token, kivi values) or tokens (kivi keys) sharing a scale "
+                        "and minimum; must divide the head dim (0 with token: the whole head)")
+    p.add_argument("--kv-residual", type=int, default=32,
+                   help="kivi: the most recent tokens kept in full precision (a multiple of "
+                        "--kv-group)")
+
+
+def kv_quant(a):
+    """The KVQuant of --kv-quant/--kv-bits/--kv-group."""
+    from .kvquant import KVQuant
+    try:
+        if a.kv_quant == "int8":
+            return KVQuant("int8", bits=8)
+        return KVQuant(a.kv_quant, bits=a.kv_bits, group=a.kv_group, residual=a.kv_residual)
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
+
+
+def flag_names(e: Exception) -> str:
+    """A library error about KV settings, with the CLI's flag names."""
+    return (str(e).replace("kv bits", "--kv-bits").replace("kv group", "--kv-group")
+            .replace("kv residual", "--kv-residual"))
 
 
 def policy(a):
-    """The CachePolicy of --method/--sinks/--cache/--chunk."""
+    """The CachePolicy of --method/--sinks/--cache/--chunk and the --kv-* flags."""
     from .policy import CachePolicy
     try:
-        return CachePolicy.of(a.method, a.sinks, a.cache, a.chunk)
+        return CachePolicy.of(a.method, a.sinks, a.cache, a.chunk, kv_quant(a))
     except ValueError as e:
-        raise CliError(str(e)) from None
+        raise CliError(flag_names(e)) from None
 
 
 def check_streamable(cfg, pc, n_tokens: int = 0) -> None:
-    """Before the work: a learned-position model cannot stream or read past its table."""
+    """Before the work: a learned-position model cannot stream or read past its table, and the
+    KV storage must fit the model's head dim and the window."""
     from .policy import check_positions
     try:
         check_positions(cfg, pc.method, pc.cache if pc.method == "recompute" else n_tokens)
     except ValueError as e:
         raise CliError(str(e).replace("method ", "--method ").replace("cache <=", "--cache <="))\
             from None
+    try:
+        pc.kv_quant.check(cfg.head_dim)
+        if pc.method in ("window", "streaming"):
+            pc.kv_quant.check_window(pc.window)
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
 
 
 def make_parent(path: str) -> None:
@@ -217,6 +263,7 @@ def add_demo(sub) -> None:
                    help="sink tokens of the StreamingLLM and recompute rows")
     p.add_argument("--no-int8", action="store_true", help="skip the SmoothQuant INT8 row")
     p.add_argument("--out", default="demo_out", help="directory for demo.json and demo.png")
+    add_kv_args(p)
     p.set_defaults(fn=cmd_demo)
 
 
@@ -227,7 +274,8 @@ def cmd_demo(a) -> None:
     for spec in a.model or ["vanilla=embedded", "learnable-sink=embedded-sink"]:
         label, sep, path = spec.partition("=")
         models[label if sep else spec] = load(path if sep else spec)
-    dc = DemoConfig(tokens=a.tokens, cache=a.cache, sinks=a.sinks, int8=not a.no_int8)
+    dc = DemoConfig(tokens=a.tokens, cache=a.cache, sinks=a.sinks, int8=not a.no_int8,
+                    kv_quant=kv_quant(a))
     if dc.cache <= dc.sinks:
         raise CliError(f"--cache {dc.cache} must exceed --sinks {dc.sinks}")
     tok = next(iter(models.values()))[2]
@@ -261,6 +309,7 @@ def add_generate(sub) -> None:
     p.add_argument("--sinks", type=int, default=4, help="sink tokens kept in the cache")
     p.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    add_kv_args(p)
     p.set_defaults(fn=cmd_generate)
 
 
@@ -277,14 +326,14 @@ def cmd_generate(a) -> None:
     try:
         sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)
-        pc = CachePolicy("streaming", a.sinks, a.cache)
+        pc = CachePolicy("streaming", a.sinks, a.cache, kv_quant=kv_quant(a))
         if not can_stream(cfg):
             print(f"note: {cfg.family} cannot stream; using a dense cache of {a.cache} tokens",
                   file=sys.stderr)
-            pc = CachePolicy("dense", 0, a.cache)
+            pc = CachePolicy("dense", 0, a.cache, kv_quant=pc.kv_quant)
         cache = pc.make_cache(cfg, 1, a.cache)
     except ValueError as e:
-        raise CliError(str(e)) from None
+        raise CliError(flag_names(e)) from None
     key = jax.random.key(a.seed)
     for i, prompt in enumerate(a.prompt):  # each prompt is one round; the cache carries over
         ids = tok.encode(prompt)

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, Optional
 
 FAMILIES = ("gpt_neox", "llama", "mistral", "falcon", "mpt", "opt")
 MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
 POSITIONS = ("rope", "alibi", "learned")
+ROPE_KINDS = ("linear", "dynamic", "llama3", "ntk", "yarn", "ntk-by-parts")
 SINKS = ("none", "learnable", "zero")
 
 
@@ -24,23 +26,48 @@ class RopeScaling:
     * ``llama3``: Llama 3.1's per-frequency rule: wavelengths above
       ``original_max_len / low_freq_factor`` are divided by ``factor``, below
       ``original_max_len / high_freq_factor`` kept, and smoothly interpolated between.
+    * ``ntk`` (static, "NTK-aware"): the base becomes ``theta * factor ** (d / (d - 2))``.
+    * ``yarn`` (Peng et al. 2023, the reference code ``scaled_rope/``; METHODS.md §5): per
+      dimension index i < d/2 a linear ramp from extrapolation (θ_i, below ``low``) to
+      interpolation (θ_i / factor, above ``high``), with ``low = floor(corr(beta_fast))``, ``high =
+      ceil(corr(beta_slow))`` and ``corr(r) = d ln(original_max_len / (2πr)) / (2 ln theta)``; and
+      an attention temperature: cos and sin are multiplied by ``attention_factor`` (default
+      ``0.1 ln factor + 1``), so the logits by its square.
+    * ``ntk-by-parts``: YaRN's ramp without the temperature (``attention_factor`` 1).
     """
 
-    kind: Literal["linear", "dynamic", "llama3"]
+    kind: Literal["linear", "dynamic", "llama3", "ntk", "yarn", "ntk-by-parts"]
     factor: float
-    original_max_len: int = 0  # dynamic, llama3
+    original_max_len: int = 0  # dynamic, llama3, yarn, ntk-by-parts
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn, ntk-by-parts
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None  # yarn: None is 0.1 ln(factor) + 1
 
     def __post_init__(self):
-        if self.kind not in ("linear", "dynamic", "llama3"):
-            raise ValueError(f"unknown rope scaling {self.kind!r}; supported: linear, dynamic, "
-                             f"llama3")
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"unknown rope scaling {self.kind!r}; supported: "
+                             f"{', '.join(ROPE_KINDS)}")
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
-        if self.kind != "linear" and self.original_max_len < 1:
+        if self.kind not in ("linear", "ntk") and self.original_max_len < 1:
             raise ValueError(f"{self.kind} rope scaling needs original_max_len (the pre-training "
                              f"context length)")
+        if self.beta_fast <= self.beta_slow or self.beta_slow <= 0:
+            raise ValueError(f"rope scaling needs beta_fast > beta_slow > 0, got "
+                             f"{self.beta_fast} and {self.beta_slow}")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor cos and sin are multiplied by (1 except for YaRN's temperature)."""
+        if self.kind == "ntk-by-parts":
+            return 1.0 if self.attention_factor is None else self.attention_factor
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from .kvquant import KVQuant
 from .policy import CachePolicy
 from .ppl import stream_score
 
@@ -30,6 +31,7 @@ class DemoConfig:
     new_tokens: int = 160
     temperature: float = 0.7  # sampled (top-k 40, fixed seed): greedy decoding of a small
     top_k: int = 40           # byte model loops on one phrase
+    kv_quant: KVQuant = KVQuant()  # enabled: one more row, StreamingLLM with this KV storage
 
     def policies(self) -> list[CachePolicy]:
         """The rows of the table: dense, window, StreamingLLM and recompute."""
@@ -50,10 +52,14 @@ def _run(params, cfg, ids, pc: CachePolicy, desc: str) -> tuple[np.ndarray, dict
     t0 = time.perf_counter()
     nll = stream_score(params, cfg, ids, pc, True, desc)[0]
     secs = time.perf_counter() - t0
-    # K/V held for the longest context (dense: the whole stream; the others: the cache; the
-    # recompute baseline rebuilds that much for every token), float32.
+    # K/V held for the longest context (dense: the whole stream; the others: the cache, its
+    # codes, scales and float sinks when quantized; the recompute baseline rebuilds that much
+    # for every token, float32), from the arrays' shapes.
     slots = len(ids) + 1 if pc.method == "dense" else pc.cache
-    kv = 2 * cfg.num_layers * slots * cfg.num_kv_heads * cfg.head_dim * 4 / 2 ** 20
+    held = CachePolicy("dense", 0, slots, kv_quant=pc.kv_quant) if pc.method == "recompute" \
+        else pc
+    shapes = jax.eval_shape(lambda: held.make_cache(cfg, 1, slots))
+    kv = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((shapes.k, shapes.v))) / 2 ** 20
     return nll, {"ppl": float(np.exp(nll.astype(np.float64).mean())),
                  "tokens_per_s": len(nll) / secs, "kv_mib": kv}
 
@@ -68,6 +74,11 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
     for label, (cfg, params, tok) in models.items():
         contexts[label] = cfg.max_seq_len
         for pc in dc.policies():
+            nll, r = _run(params, cfg, ids, pc, f"{label}: {pc.label}")
+            rows.append({"model": label, "method": pc.label, **r})
+            curves[f"{label}: {pc.label}"] = nll
+        if dc.kv_quant.enabled:
+            pc = dataclasses.replace(dc.policies()[2], kv_quant=dc.kv_quant)
             nll, r = _run(params, cfg, ids, pc, f"{label}: {pc.label}")
             rows.append({"model": label, "method": pc.label, **r})
             curves[f"{label}: {pc.label}"] = nll
@@ -89,7 +100,8 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
         gens[label] = tok.decode(list(np.asarray(res.tokens[0, :int(res.num_tokens[0])])))
     unit = "byte" if all(type(t).__name__ == "ByteTokenizer" for _, _, t in models.values()) \
         else "token"
-    result = {"config": dataclasses.asdict(dc), "tokens_scored": int(len(ids) - 1),
+    config = dict(dataclasses.asdict(dc), kv_quant=dataclasses.asdict(dc.kv_quant))
+    result = {"config": config, "tokens_scored": int(len(ids) - 1),
               "unit": unit, "training_context": contexts, "rows": rows, "generations": gens,
               # the per-position NLL (nats) that demo.png plots, one list per model and method
               "curves": {k: [round(float(x), 4) for x in v] for k, v in curves.items()}}
@@ -146,7 +158,9 @@ def format_table(result: dict) -> str:
 
 def explain(result: dict) -> str:
     """What the table's numbers are and what they show, from the numbers themselves."""
-    dc, unit = DemoConfig(**result["config"]), result.get("unit", "token")
+    conf = dict(result["config"])
+    conf["kv_quant"] = KVQuant(**conf.get("kv_quant", {}))
+    dc, unit = DemoConfig(**conf), result.get("unit", "token")
     S = dc.sinks
     dense_p, window_p, stream_p, rec_p = (p.label for p in dc.policies())
     out = [f"ppl: perplexity per {unit} over {result['tokens_scored']} {unit}s of the embedded "

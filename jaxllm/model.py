@@ -1,6 +1,7 @@
 """The transformer: Flax modules that take the KV cache as an argument and return the new one."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -14,7 +15,8 @@ from . import cache as kvc
 from .config import ModelConfig
 from .policy import check_positions
 from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
-from .rope import Rotation, apply_rope, inv_freq, rotation
+from .rope import Rotation, apply_rope, inv_freq
+from .rope import rotation as _rotation
 
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
@@ -188,16 +190,19 @@ class AttnPlan(NamedTuple):
 
 
 def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, sinks: int,
-              freq) -> AttnPlan:
-    """The plan of a plain causal forward (``lay`` None) or of a chunk of ``T`` tokens through
-    a cache with ``sinks`` sink slots; ``freq`` [B, r/2] the RoPE inverse frequencies."""
+              freq, write_first: bool = True, positions=None) -> AttnPlan:
+    """The plan of a plain causal forward (``lay`` None; at ``positions`` [B, T], default
+    0..T-1) or of a chunk of ``T`` tokens through a cache with ``sinks`` sink slots; ``freq``
+    [B, r/2] the RoPE inverse frequencies."""
     fr = freq if cfg.pos_emb == "rope" else None
-    if lay is None:  # plain causal forward, positions 0..T-1
-        pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    m = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
+    rotation = functools.partial(_rotation, scale=m)
+    if lay is None:  # plain causal forward (causal in token order)
+        pos = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
         rot = rotation(pos, fr)
         mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
         return AttnPlan(rot, rot, mask)
-    if T == 1:
+    if T == 1 and write_first:  # decode: the token is written, then the cache alone is read
         k_pos, mask = kvc.after_write(lay)
     else:
         k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
@@ -242,26 +247,30 @@ class Attention(nn.Module):
                      reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
             new_cache = None
         else:
-            ck, cv = layer_cache
-            # What is attended to is exactly what is cached (same dtype), so a chunk and the
-            # token-by-token process see identical keys even with a bfloat16 cache.
-            k, v = k.astype(ck.dtype), v.astype(cv.dtype)
+            ck, cv = layer_cache  # float arrays, or quantized stores (jaxllm.kvquant)
             S = 0 if plan.k_sink is None else plan.k_sink.pos.shape[1]
-            if T == 1:  # decode: write the token, then read the cache alone (no copy, see
-                # cache.after_write); a longer chunk must read the old cache first, since its
-                # later tokens overwrite ring slots its earlier tokens still attend to.
-                ck, cv = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
-                new_cache = ck, cv
+            if T == 1 and not kvc.reads_before_write(ck):  # decode: write the token, then
+                # read the cache alone (no copy, see cache.after_write); a longer chunk (and
+                # KIVI, which attends before it quantizes) must read the old cache first, since
+                # later tokens overwrite ring slots that earlier tokens still attend to.
+                new_cache = kvc.write_layer(ck, k, lay), kvc.write_layer(cv, v, lay)
+                ck, cv = kvc.read_layer(new_cache[0], lay), kvc.read_layer(new_cache[1], lay)
                 scores, values = [_part_scores(q, plan.q, ck, plan.keys, cfg, int8_att)], [cv]
                 sink_k, sink_v = ck[:, :, :S], cv[:, :, :S]
             else:
+                new_cache = kvc.write_layer(ck, k, lay), kvc.write_layer(cv, v, lay)
+                # What is attended to is exactly what is cached (its dtype, its quantization),
+                # so a chunk and the token-by-token process see identical keys and values.
+                k_ring, v_ring = kvc.as_stored(ck, k), kvc.as_stored(cv, v)
+                ck, cv = kvc.read_layer(ck, lay), kvc.read_layer(cv, lay)
+                k, v = k.astype(ck.dtype), v.astype(cv.dtype)  # sinks: full precision
                 C = ck.shape[2]
                 scores = [_part_scores(q, plan.q, ck, plan.keys.part(0, C), cfg, int8_att),
-                          _part_scores(q, plan.q, k, plan.keys.part(C, C + T), cfg, int8_att)]
-                values = [cv, v]
+                          _part_scores(q, plan.q, k_ring, plan.keys.part(C, C + T), cfg,
+                                       int8_att)]
+                values = [cv, v_ring]
                 sink_k = kvc.merge_sinks(ck, k, lay, S)  # [B, KVH, S, Dh]
                 sink_v = kvc.merge_sinks(cv, v, lay, S)
-                new_cache = kvc.write_chunk(ck, k, lay), kvc.write_chunk(cv, v, lay)
             if S:
                 scores.insert(0, _part_scores(q, plan.q_sink, sink_k, plan.k_sink, cfg, int8_att))
                 values.insert(0, sink_v)
@@ -317,7 +326,8 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, cache: Optional[kvc.KVCache], lay: Optional[kvc.ChunkLayout]):
+    def __call__(self, tokens, cache: Optional[kvc.KVCache], lay: Optional[kvc.ChunkLayout],
+                 positions: Optional[Int[Array, "b t"]] = None):
         cfg = self.cfg
         B, T = tokens.shape
         dt = _dtype(cfg)
@@ -327,6 +337,7 @@ class Transformer(nn.Module):
             x = Linear(cfg.hidden_size, False, cfg.init_std, dt, name="project_in")(x)
         if cfg.pos_emb == "learned":  # absolute positions (dense caches only, see check_chunk)
             pos = jnp.arange(T)[None] + (0 if cache is None else cache.length[:, None])
+            pos = pos if positions is None else positions
             pos = jnp.minimum(pos, cfg.max_seq_len - 1)  # padding past the table is never read
             x = x + nn.Embed(cfg.max_seq_len, cfg.hidden_size,
                              embedding_init=nn.initializers.normal(cfg.init_std),
@@ -334,8 +345,12 @@ class Transformer(nn.Module):
         # RoPE frequencies, positions, tables and masks once per forward, shared by all layers;
         # only dynamic NTK scaling depends on the length.
         seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.new_length
+        if positions is not None:  # explicit positions: the sequence reaches the largest + 1
+            seq_len = jnp.max(positions, axis=1).astype(jnp.int32) + 1
         freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
-        plan = attn_plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq)
+        plan = attn_plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq,
+                         write_first=cache is None or not kvc.reads_before_write(cache.k[0]),
+                         positions=positions)
         new_k, new_v = [], []
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer])
@@ -361,7 +376,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
 
 def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
           cache: Optional[kvc.KVCache] = None, lens: Optional[Int[Array, " b"]] = None, *,
-          mutable=()):
+          mutable=(), positions: Optional[Int[Array, "b t"]] = None):
     """The model as a traceable function: ``(logits [B, T, V] float32, cache)``.
 
     The one way every module runs the model inside its own ``jit`` (generate's loop, ppl's
@@ -371,16 +386,19 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
     ``lens`` [B] are the valid tokens per row (int32). ``mutable`` (plain forward only): flax
     collections to collect, e.g. ``["intermediates"]`` (each linear's input maxima, for
     SmoothQuant's calibration) or ``["attention"]`` (attention probabilities); the result is
-    then ``(logits, None, state)``.
+    then ``(logits, None, state)``. ``positions`` [B, T] (plain forward only): each token's
+    position id, increasing along the row (PoSE's skipped positions); default 0..T-1.
     """
     if cache is None:
         if not mutable:
-            return Transformer(cfg).apply({"params": params}, tokens, None, None)[0], None
+            return Transformer(cfg).apply({"params": params}, tokens, None, None,
+                                          positions)[0], None
         (logits, _), state = Transformer(cfg).apply({"params": params}, tokens, None, None,
-                                                    mutable=list(mutable))
+                                                    positions, mutable=list(mutable))
         return logits, None, state
-    if mutable:
-        raise ValueError("mutable collections are collected on a plain forward (cache=None)")
+    if mutable or positions is not None:
+        raise ValueError("mutable collections and explicit positions apply to a plain forward "
+                         "(cache=None); with a cache, positions are assigned within the cache")
     B, T = tokens.shape
     W = cache.window
     if T <= W:
@@ -480,7 +498,8 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
 
 
 def forward(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
-            cache: Optional[kvc.KVCache] = None, lengths: Optional[Int[Array, " b"]] = None
+            cache: Optional[kvc.KVCache] = None, lengths: Optional[Int[Array, " b"]] = None,
+            positions: Optional[Int[Array, "b t"]] = None
             ) -> tuple[Float[Array, "b t v"], Optional[kvc.KVCache]]:
     """Logits for ``tokens`` and the updated cache.
 
@@ -489,7 +508,34 @@ def forward(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
     stream; ``lengths`` [B] marks how many leading tokens of each row are real (the rest is padding,
     never written, with undefined logits). Every token's logits equal those of feeding the stream
     one token at a time through a cache trimmed to S+W after each token.
+    ``positions`` [B, T] (plain forward only): explicit position ids, strictly increasing along
+    each row (training with skipped positions, PoSE); attention stays causal in token order.
     """
     tokens = jnp.asarray(tokens)
     lens = check_chunk(cfg, tokens, cache, lengths)
-    return _forward_jit(params, cfg, tokens.astype(jnp.int32), cache, lens)
+    if positions is None:
+        return _forward_jit(params, cfg, tokens.astype(jnp.int32), cache, lens)
+    positions = check_positions_arg(cfg, tokens, cache, positions)
+    return _forward_positions_jit(params, cfg, tokens.astype(jnp.int32), positions)
+
+
+_forward_positions_jit = jax.jit(lambda p, cfg, t, pos: apply(p, cfg, t, positions=pos),
+                                 static_argnums=1)
+
+
+def check_positions_arg(cfg: ModelConfig, tokens, cache, positions) -> jax.Array:
+    """Explicit positions: a plain forward only, [B, T] integers, non-negative, strictly
+    increasing along each row, and within a learned position table."""
+    if cache is not None:
+        raise ValueError("positions apply to a plain forward (cache=None); a cache assigns "
+                         "positions within itself")
+    pos = jnp.asarray(positions)
+    if pos.shape != tokens.shape or not jnp.issubdtype(pos.dtype, jnp.integer):
+        raise ValueError(f"positions must be integers of the tokens' shape {tuple(tokens.shape)},"
+                         f" got {pos.dtype} {tuple(pos.shape)}")
+    if _is_concrete(pos):
+        p = np.asarray(pos)
+        if (p < 0).any() or (np.diff(p, axis=1) <= 0).any():
+            raise ValueError("positions must be >= 0 and strictly increasing along each row")
+        check_positions(cfg, "dense", int(p.max()) + 1)
+    return pos.astype(jnp.int32)

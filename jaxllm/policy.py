@@ -28,6 +28,7 @@ import numpy as np
 
 from .cache import KVCache, init_cache
 from .config import ModelConfig
+from .kvquant import KVQuant
 
 METHODS = ("dense", "window", "recompute", "streaming")
 _NAMES = {"dense": "dense", "window": "window", "recompute": "recompute",
@@ -44,6 +45,7 @@ class CachePolicy:
     sinks: int = 4
     cache: int = 1024  # total slots: sinks + window
     chunk: int = 256
+    kv_quant: KVQuant = KVQuant()  # how the cache stores keys and values (jaxllm.kvquant)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -60,14 +62,17 @@ class CachePolicy:
                              f"(cache - sinks) must hold at least one token")
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        if self.kv_quant.enabled and self.method == "recompute":
+            raise ValueError("recompute re-runs the model on every window and keeps no cache, so "
+                             "there is no KV cache to quantize; use dense, window or streaming")
 
     @classmethod
     def of(cls, method: str = "streaming", sinks: Optional[int] = None, cache: int = 1024,
-           chunk: int = 256) -> "CachePolicy":
+           chunk: int = 256, kv_quant: KVQuant = KVQuant()) -> "CachePolicy":
         """``sinks=None``: StreamingLLM's 4 for ``streaming``, none for the others."""
         if sinks is None:
             sinks = 4 if method == "streaming" else 0
-        return cls(method, sinks, cache, chunk)
+        return cls(method, sinks, cache, chunk, kv_quant)
 
     @property
     def window(self) -> int:
@@ -78,7 +83,8 @@ class CachePolicy:
     def label(self) -> str:
         """``StreamingLLM 4+1020``, ``window 0+1024``, ``recompute 4+1020`` or ``dense``."""
         name = _NAMES[self.method]
-        return name if self.method == "dense" else f"{name} {self.sinks}+{self.window}"
+        label = name if self.method == "dense" else f"{name} {self.sinks}+{self.window}"
+        return label + (f", KV {self.kv_quant.describe()}" if self.kv_quant.enabled else "")
 
     def make_cache(self, cfg: ModelConfig, batch: int, n_tokens: int, dtype=jnp.float32
                    ) -> KVCache:
@@ -87,8 +93,13 @@ class CachePolicy:
         if self.method == "recompute":
             raise ValueError("recompute re-runs the model on every window: it keeps no cache")
         if self.method == "dense":
-            return init_cache(cfg, batch, sinks=0, window=n_tokens, evict=False, dtype=dtype)
-        return init_cache(cfg, batch, sinks=self.sinks, window=self.window, dtype=dtype)
+            if self.kv_quant.format == "kivi":  # KIVI's key blocks must tile the cache
+                R = self.kv_quant.residual
+                n_tokens = -(-n_tokens // R) * R
+            return init_cache(cfg, batch, sinks=0, window=n_tokens, evict=False, dtype=dtype,
+                              kv_quant=self.kv_quant)
+        return init_cache(cfg, batch, sinks=self.sinks, window=self.window, dtype=dtype,
+                          kv_quant=self.kv_quant)
 
 
 def with_sink(cfg: ModelConfig, tokens, keep_length: bool = False):

@@ -20,6 +20,8 @@ def inv_freq(rotary_dim: int, theta: float, scaling: Optional[RopeScaling],
     B = seq_len.shape[0]
     exps = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim  # [r/2]
     base = jnp.full((B, 1), theta, jnp.float32)
+    if scaling is not None and scaling.kind == "ntk":  # static NTK-aware: a larger base
+        base = base * scaling.factor ** (rotary_dim / (rotary_dim - 2))
     if scaling is not None and scaling.kind == "dynamic":
         # NTK: grow the base once the sequence outgrows the pre-training length.
         L = jnp.maximum(seq_len, scaling.original_max_len).astype(jnp.float32)[:, None]
@@ -27,10 +29,16 @@ def inv_freq(rotary_dim: int, theta: float, scaling: Optional[RopeScaling],
         base = base * (f * L / scaling.original_max_len - (f - 1)) ** (
             rotary_dim / (rotary_dim - 2))
     freq = 1.0 / base ** exps  # [B, r/2]
-    if scaling is None or scaling.kind == "dynamic":
+    if scaling is None or scaling.kind in ("dynamic", "ntk"):
         return freq
     if scaling.kind == "linear":
         return freq / scaling.factor
+    if scaling.kind in ("yarn", "ntk-by-parts"):
+        low, high = yarn_range(rotary_dim, theta, scaling.original_max_len, scaling.beta_fast,
+                               scaling.beta_slow)
+        i = jnp.arange(rotary_dim // 2, dtype=jnp.float32)
+        ramp = jnp.clip((i - low) / ((high - low) if high > low else 0.001), 0.0, 1.0)
+        return freq * (1 - ramp) + freq / scaling.factor * ramp
     # llama3: divide long wavelengths by the factor, keep short ones, interpolate in between.
     old = scaling.original_max_len
     low_wl, high_wl = old / scaling.low_freq_factor, old / scaling.high_freq_factor
@@ -41,6 +49,17 @@ def inv_freq(rotary_dim: int, theta: float, scaling: Optional[RopeScaling],
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wl) & (wavelen <= low_wl)
     return jnp.where(medium, smoothed, scaled)
+
+
+def yarn_range(rotary_dim: int, theta: float, original_max_len: int, beta_fast: float = 32.0,
+               beta_slow: float = 1.0) -> tuple[int, int]:
+    """YaRN's ramp bounds over dimension indices (the reference's find_correction_range):
+    dimensions below ``low`` rotate more than ``beta_fast`` times over the original context and
+    are kept; above ``high``, fewer than ``beta_slow`` times, and are interpolated."""
+    def corr(rotations: float) -> float:
+        return rotary_dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+    return max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), rotary_dim - 1)
 
 
 class Rotation(NamedTuple):
@@ -59,12 +78,17 @@ class Rotation(NamedTuple):
         return Rotation(*(None if x is None else x[:, start:stop] for x in self))
 
 
-def rotation(pos: Int[Array, "b l"], freq: Optional[Float[Array, "b r2"]]) -> Rotation:
-    """The table for positions ``pos`` at inverse frequencies ``freq`` (None: positions only)."""
+def rotation(pos: Int[Array, "b l"], freq: Optional[Float[Array, "b r2"]],
+             scale: float = 1.0) -> Rotation:
+    """The table for positions ``pos`` at inverse frequencies ``freq`` (None: positions only);
+    ``scale`` multiplies cos and sin (YaRN's attention temperature, applied to queries and keys
+    alike, so the scores scale by its square)."""
     if freq is None or freq.shape[-1] == 0:
         return Rotation(pos)
     ang = pos.astype(jnp.float32)[..., None] * freq[:, None, :]  # [b, l, r/2]
-    return Rotation(pos, jnp.cos(ang), jnp.sin(ang))
+    if scale == 1.0:
+        return Rotation(pos, jnp.cos(ang), jnp.sin(ang))
+    return Rotation(pos, scale * jnp.cos(ang), scale * jnp.sin(ang))
 
 
 def apply_rope(x: Float[Array, "b t n h"], rot: Rotation, head_major: bool = False

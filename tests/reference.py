@@ -107,13 +107,18 @@ class NaiveStream:
     window=None keeps everything (a dense cache; with sinks=0 it is the plain causal forward).
     """
 
-    def __init__(self, params, cfg, sinks=0, window=None):
+    def __init__(self, params, cfg, sinks=0, window=None, kv_store=None, kv_list=None):
         if cfg.pos_emb == "learned" or not cfg.pre_norm or cfg.embedding_dim != cfg.hidden_size:
             raise NotImplementedError("the naive stream covers RoPE/ALiBi pre-norm models")
         self.p, self.cfg, self.S, self.W = _np(params), cfg, sinks, window
         self.kept = []  # stream indices of kept tokens
         self.kv = [[] for _ in range(cfg.num_layers)]  # per layer: list of (k, v) pre-RoPE
         self.t = 0
+        # kv_store(x) -> what a quantized cache returns for a non-sink token's k or v [heads, D]
+        self.kv_store = kv_store
+        # kv_list() -> a per-layer list cache with add/evict/view/after (a quantizing policy
+        # whose stored values depend on when they are flushed, e.g. KIVI)
+        self.lists = [kv_list() for _ in range(cfg.num_layers)] if kv_list else None
 
     def step(self, token: int) -> np.ndarray:
         cfg, p = self.cfg, self.p
@@ -131,14 +136,24 @@ class NaiveStream:
             q = clip(_lin(h, lp["attn"]["q"])).reshape(cfg.num_heads, cfg.head_dim)
             k = clip(_lin(h, lp["attn"]["k"])).reshape(cfg.num_kv_heads, cfg.head_dim)
             v = clip(_lin(h, lp["attn"]["v"])).reshape(cfg.num_kv_heads, cfg.head_dim)
-            self.kv[li].append((k, v))
-            if trim:  # evict the oldest non-sink token
-                del self.kv[li][self.S]
-            ks = np.stack([a for a, _ in self.kv[li]])
-            vs = np.stack([b for _, b in self.kv[li]])
+            if self.lists is not None:
+                self.lists[li].add(k, v, sink=self.t < self.S)
+                if trim:
+                    self.lists[li].evict()
+                ks, vs = self.lists[li].view()
+            else:
+                if self.kv_store is not None and self.t >= self.S:  # sinks: full precision
+                    k, v = self.kv_store(k), self.kv_store(v)
+                self.kv[li].append((k, v))
+                if trim:  # evict the oldest non-sink token
+                    del self.kv[li][self.S]
+                ks = np.stack([a for a, _ in self.kv[li]])
+                vs = np.stack([b for _, b in self.kv[li]])
             n = len(ks)
             a = _attn_out(q, ks, vs, n - 1, np.arange(n), cfg, self.S).reshape(-1)
             a = _lin(a, lp["attn"]["o"])
+            if self.lists is not None:
+                self.lists[li].after()  # quantize after the step's attention
             if cfg.parallel_residual:
                 m_in = h if cfg.shared_norm else _norm(x, lp["ln_mlp"], cfg)
             else:

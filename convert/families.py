@@ -58,9 +58,25 @@ def _rope(hf: dict, default_pct: float = 1.0) -> dict:
                               original_max_len=int(params["original_max_position_embeddings"]),
                               low_freq_factor=float(params["low_freq_factor"]),
                               high_freq_factor=float(params["high_freq_factor"]))
+    elif kind == "yarn":
+        if "original_max_position_embeddings" not in params:
+            raise UnsupportedModel("yarn rope scaling without original_max_position_embeddings: "
+                                   "YaRN's ramp is measured from the original context length")
+        factor = params.get("factor") or (hf["max_position_embeddings"]
+                                          / params["original_max_position_embeddings"])
+        if params.get("mscale") or params.get("mscale_all_dim") or \
+                params.get("truncate", True) is False:
+            raise UnsupportedModel("yarn with mscale/mscale_all_dim/truncate=False (DeepSeek's "
+                                   "variants) is not supported")
+        af = params.get("attention_factor")
+        scaling = RopeScaling("ntk-by-parts" if af == 1.0 else "yarn", float(factor),
+                              original_max_len=int(params["original_max_position_embeddings"]),
+                              beta_fast=float(params.get("beta_fast") or 32),
+                              beta_slow=float(params.get("beta_slow") or 1),
+                              attention_factor=None if af is None else float(af))
     else:
         raise UnsupportedModel(f"rope scaling {kind!r} is not supported; supported: linear, "
-                               f"dynamic, llama3")
+                               f"dynamic, llama3, yarn")
     return dict(rope_theta=float(theta), rotary_pct=float(pct), rope_scaling=scaling)
 
 
@@ -188,6 +204,13 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         if s.kind == "llama3":
             rope.update(original_max_position_embeddings=s.original_max_len,
                         low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+        elif s.kind in ("yarn", "ntk-by-parts"):  # transformers' yarn; by-parts: no temperature
+            rope.update(rope_type="yarn", original_max_position_embeddings=s.original_max_len,
+                        beta_fast=s.beta_fast, beta_slow=s.beta_slow,
+                        attention_factor=s.attention_scale)
+        elif s.kind == "ntk":
+            raise UnsupportedModel("static NTK RoPE scaling has no transformers rope_type; "
+                                   "export the model with dynamic or yarn scaling instead")
         elif s.kind == "dynamic" and s.original_max_len != cfg.max_seq_len:
             raise UnsupportedModel("transformers' dynamic RoPE grows from max_position_embeddings;"
                                    " set original_max_len == max_seq_len to export")

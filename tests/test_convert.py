@@ -416,8 +416,14 @@ def test_hub_configs_map_to_the_published_architectures():
     cfg = convert.config_from_hf(opt350m)
     assert (cfg.embedding_dim, cfg.pre_norm, cfg.final_norm, cfg.mlp) == (512, False, False,
                                                                            "relu")
-    with pytest.raises(convert.UnsupportedModel, match="rope scaling 'yarn'"):
+    with pytest.raises(convert.UnsupportedModel, match="rope scaling 'longrope'"):
+        convert.config_from_hf(dict(LLAMA2_7B, rope_scaling={"rope_type": "longrope",
+                                                             "factor": 4}))
+    with pytest.raises(convert.UnsupportedModel, match="without original_max_position_emb"):
         convert.config_from_hf(dict(LLAMA2_7B, rope_scaling={"rope_type": "yarn", "factor": 4}))
+    yarn = convert.config_from_hf(dict(LLAMA2_7B, rope_scaling={
+        "rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096}))
+    assert yarn.rope_scaling == jaxllm.RopeScaling("yarn", 16.0, 4096)
     with pytest.raises(convert.UnsupportedModel, match="Falcon-RW"):
         convert.config_from_hf(dict(falcon7b, alibi=True))
 

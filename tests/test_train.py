@@ -235,6 +235,23 @@ def test_stop_and_resume_reproduces_losses_exactly(uninterrupted, tmp_path):
         train(recipe("tiny", TINY + ["lr=1e-4"]), run, progress=False)
 
 
+def test_pose_run_resumes_exactly(tmp_path):
+    """PoSE (--pose 256 at seq_len 32): samples at skipping positions up to 256, redrawn the
+    same after a stop, so a resumed run reproduces the uninterrupted one's losses bit-exactly."""
+    from train.pose import pose_batch
+    cfg = recipe("tiny", TINY + ["pose_target=256", "steps=8"])
+    full = str(tmp_path / "full")
+    train(cfg, full, progress=False)
+    run = str(tmp_path / "run")
+    train(cfg, run, progress=False, stop_after=3)
+    train(cfg, run, progress=False)
+    assert _losses(run) == _losses(full) and len(_losses(full)) == 8
+    toks, pos = pose_batch(np.arange(4 * 161).reshape(4, 161), 33, 257, 0, 1)
+    assert toks.shape == pos.shape == (4, 33) and pos.max() > 33 and (pos < 257).all()
+    with pytest.raises(ValueError, match="pose_target .* must exceed seq_len"):
+        recipe("tiny", TINY + ["pose_target=16"])
+
+
 def test_parallel_variants_train_as_they_would_alone(uninterrupted, tmp_path):
     """--parallel trains each variant in its own process; the vanilla one must see exactly the
     losses of a run made alone."""

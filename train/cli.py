@@ -11,7 +11,7 @@ def cmd_run(a) -> None:
     from .loop import train
     over = list(a.set)
     for flag, key in (("sink", "sink"), ("data", "data"), ("steps", "steps"),
-                      ("tokenizer", "tokenizer")):
+                      ("tokenizer", "tokenizer"), ("pose", "pose_target")):
         if getattr(a, flag) is not None:
             over.append(f"{key}={getattr(a, flag)}")
     if a.mesh:
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'byte' or a local HF tokenizer directory (None: the recipe's)")
     r.add_argument("--steps", type=int, default=None,
                    help="optimiser steps (None: the recipe's)")
+    r.add_argument("--pose", type=int, default=None, metavar="LT",
+                   help="PoSE: train seq_len-token samples at position ids skipping up to LT "
+                        "(the authors' two chunks; --set pose_span=N: text window N x seq_len)")
     r.add_argument("--mesh", default="", help="device mesh, e.g. data=2,fsdp=4 (default: all "
                                               "devices on data)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -40,6 +40,11 @@ class TrainConfig:
     keep: int = 3  # checkpoints kept
     sink_eval_every: int = 0  # >0: sink metric and window/streaming ppl on held-out text
     peak_tflops: float = 0.0  # per device, for MFU; 0: look the device up (unknown -> no MFU)
+    # PoSE (train.pose): > 0 trains seq_len-token samples whose position ids skip up to this
+    # target length; each sample is drawn from pose_span x seq_len tokens of text (the
+    # authors' 5 x Lc).
+    pose_target: int = 0
+    pose_span: int = 5
 
     def __post_init__(self):
         if self.sink not in ("none", "learnable", "zero"):
@@ -63,6 +68,13 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"{name} must be {what}, got {getattr(self, name)}")
         check_positions(self.model, "dense", self.seq_len)  # a training sample is one dense pass
+        if self.pose_target:
+            if self.pose_target <= self.seq_len:
+                raise ValueError(f"pose_target (LT) {self.pose_target} must exceed seq_len (Lc) "
+                                 f"{self.seq_len}")
+            if self.pose_span < 1:
+                raise ValueError(f"pose_span must be >= 1, got {self.pose_span}")
+            check_positions(self.model, "dense", self.pose_target)
         # The model records its sink variant, so streaming and saving use it (ModelConfig.sink).
         if self.model.sink != self.sink:
             object.__setattr__(self, "model", dataclasses.replace(self.model, sink=self.sink))

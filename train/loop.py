@@ -19,6 +19,7 @@ from . import data as data_lib
 from . import sharding as shd
 from .checkpoint import Checkpoints
 from .config import TrainConfig
+from .pose import pose_batch
 from .step import compile_step, flops_per_token, init_state, peak_tflops
 
 CONFIG_FILE, METRICS_FILE = "train_config.json", "metrics.jsonl"
@@ -176,7 +177,9 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
                          f"vocab_size is {cfg.model.vocab_size}; set model.vocab_size")
     cache_dir = cache_dir or os.path.join(out, "..", ".token_cache")
     tokens = data_lib.tokenize(cfg.data, tok, cache_dir, progress and is_main)
-    data = data_lib.PackedData(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.holdout)
+    # PoSE draws each sample from a window of pose_span x seq_len tokens of text.
+    sample_len = cfg.seq_len * cfg.pose_span if cfg.pose_target else cfg.seq_len
+    data = data_lib.PackedData(tokens, sample_len, cfg.batch_size, cfg.seed, cfg.holdout)
 
     # The state's shardings: parameters by the logical-axes table, optimizer moments likewise
     # (they mirror the parameters), scalars replicated.
@@ -214,8 +217,12 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
     try:
         for step in range(start + 1, end + 1):
             batch = data.next_batch()  # every host draws the same global batch, keeps its rows
+            if cfg.pose_target:  # seq_len + 1 tokens at skipping positions below pose_target + 1
+                batch = pose_batch(batch, cfg.seq_len + 1, cfg.pose_target + 1, cfg.seed, step)
             rows = cfg.batch_size // pc
-            state, m = step_fn(state, shd.put_batch(mesh, batch[pi * rows:(pi + 1) * rows]), cfg)
+            mine = jax.tree.map(lambda b: shd.put_batch(mesh, b[pi * rows:(pi + 1) * rows]),
+                                batch)
+            state, m = step_fn(state, mine, cfg)
             if step % cfg.log_every == 0 or step == end:
                 m = {k: float(v) for k, v in jax.device_get(m).items()}
                 now = time.perf_counter()

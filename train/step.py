@@ -14,22 +14,28 @@ from jaxllm.policy import with_sink
 from .config import TrainConfig
 
 
-def examples(cfg: TrainConfig, batch: Int[Array, "b l1"]):
-    """Inputs and targets [b, L] from samples of L+1 tokens.
+def examples(cfg: TrainConfig, batch):
+    """Inputs, targets [b, L] and the inputs' positions (None: 0..L-1) from samples of L+1
+    tokens, or from PoSE's ``(tokens, positions)`` pairs.
 
     Learnable sink: the sink token takes position 0 of every sample, so the inputs are
     [sink, x_0 .. x_{L-2}] and the targets x_0 .. x_{L-1}; the sink is never a target (no loss
-    on predicting it) and every variant is scored on the same number of positions."""
+    on predicting it) and every variant is scored on the same number of positions. With PoSE
+    the tokens after the sink move one position up."""
+    tokens, pos = batch if isinstance(batch, tuple) else (batch, None)
     if cfg.model.sink_id is not None:
-        return with_sink(cfg.model, batch[:, :-1], keep_length=True), batch[:, :-1]
-    return batch[:, :-1], batch[:, 1:]
+        inputs = with_sink(cfg.model, tokens[:, :-1], keep_length=True)
+        if pos is not None:
+            pos = jnp.concatenate([jnp.zeros_like(pos[:, :1]), pos[:, :-2] + 1], 1)
+        return inputs, tokens[:, :-1], pos
+    return tokens[:, :-1], tokens[:, 1:], None if pos is None else pos[:, :-1]
 
 
 def loss_fn(params, cfg: TrainConfig, batch) -> Float[Array, ""]:
     """Mean next-token cross-entropy (nats) with compute in ``cfg.dtype``."""
     model_cfg = dataclasses.replace(cfg.model, dtype=cfg.dtype)
-    inputs, targets = examples(cfg, batch)
-    logits, _ = apply(params, model_cfg, inputs)
+    inputs, targets, positions = examples(cfg, batch)
+    logits, _ = apply(params, model_cfg, inputs, positions=positions)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
     return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
 
@@ -68,7 +74,7 @@ def train_step(state: dict, batch: Int[Array, "b l1"], cfg: TrainConfig):
     if A == 1:
         loss, grads = grad(state["params"], cfg, batch)
     else:
-        micro = batch.reshape(A, batch.shape[0] // A, batch.shape[1])
+        micro = jax.tree.map(lambda b: b.reshape(A, b.shape[0] // A, b.shape[1]), batch)
 
         def body(acc, mb):
             l, g = grad(state["params"], cfg, mb)

@@ -368,3 +368,26 @@ def test_embedded_corpus_is_the_same_in_every_process():
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     import hashlib
     assert fresh.stdout.strip() == hashlib.sha1(builtin_corpus().encode()).hexdigest()
+
+
+def test_init_from_copies_weights_and_keeps_a_new_sink_row(tmp_path):
+    """Fine-tuning starts from a model directory: every tensor copied, a learnable sink's extra
+    embedding row kept fresh; a tensor of another shape is named."""
+    import jax
+
+    import jaxllm
+    from train.loop import weights_from
+    cfg = recipe("tiny", TINY).model
+    base = jaxllm.init_params(cfg, jax.random.key(1))
+    jaxllm.save_model(str(tmp_path / "m"), cfg, base)
+    sink_cfg = dataclasses.replace(cfg, sink="learnable")
+    fresh = jaxllm.init_params(sink_cfg, jax.random.key(2))
+    got = weights_from(str(tmp_path / "m"), fresh)
+    emb = np.asarray(got["embed"]["embedding"])
+    np.testing.assert_array_equal(emb[:-1], np.asarray(base["embed"]["embedding"]))
+    np.testing.assert_array_equal(emb[-1], np.asarray(fresh["embed"]["embedding"])[-1])
+    np.testing.assert_array_equal(np.asarray(got["layer_0"]["mlp"]["up"]["kernel"]),
+                                  np.asarray(base["layer_0"]["mlp"]["up"]["kernel"]))
+    wide = jaxllm.init_params(dataclasses.replace(cfg, intermediate_size=96), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"tensor layer_0/mlp/\w+/kernel is \(\d+, \d+\) where"):
+        weights_from(str(tmp_path / "m"), wide)

@@ -45,6 +45,9 @@ class TrainConfig:
     # authors' 5 x Lc).
     pose_target: int = 0
     pose_span: int = 5
+    # Fine-tuning: start from this model directory's weights instead of random ones (a new
+    # learnable sink's embedding row keeps its random init); the optimiser starts fresh.
+    init_from: str = ""
 
     def __post_init__(self):
         if self.sink not in ("none", "learnable", "zero"):

@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxllm.io import save_model
+from jaxllm.io import load_model, save_model
 from jaxllm.tokenizer import load_tokenizer
 
 from . import data as data_lib
@@ -20,7 +20,7 @@ from . import sharding as shd
 from .checkpoint import Checkpoints
 from .config import TrainConfig
 from .pose import pose_batch
-from .step import compile_step, flops_per_token, init_state, peak_tflops
+from .step import compile_step, flops_per_token, init_state, optimizer, peak_tflops
 
 CONFIG_FILE, METRICS_FILE = "train_config.json", "metrics.jsonl"
 
@@ -194,6 +194,11 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
     ckpt = Checkpoints(os.path.join(out, "checkpoints"), cfg.keep)
     start = 0
     latest = ckpt.latest()
+    if cfg.init_from and latest is None:
+        state = jax.jit(lambda p: {"step": state["step"], "params": p,
+                                   "opt_state": optimizer(cfg).init(p)},
+                        out_shardings=state_shardings)(weights_from(cfg.init_from,
+                                                                    state["params"]))
     if latest is not None:
         if not resume:
             raise ValueError(f"{out} already holds checkpoints (latest step {latest}); resume it "
@@ -260,6 +265,28 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
                    tokenizer=cfg.tokenizer, overwrite=True)
         summary["model"] = os.path.join(out, "model")
     return summary
+
+
+def weights_from(path: str, fresh: dict) -> dict:
+    """``fresh`` (a new run's parameters) with every tensor taken from the model at ``path``;
+    an embedding one row longer (a learnable sink added) keeps its fresh last row. Anything
+    else that differs is an error naming the tensor."""
+    from jaxllm import tree
+    _, base, _ = load_model(path)
+    have = tree.flatten(jax.device_get(base))
+    out = {}
+    for name, x in tree.flatten(jax.device_get(fresh)).items():
+        b = have.get(name)
+        if b is not None and b.shape == x.shape:
+            out[name] = np.asarray(b, x.dtype)
+        elif b is not None and name.endswith("embed/embedding") and \
+                b.shape[0] + 1 == x.shape[0] and b.shape[1:] == x.shape[1:]:
+            out[name] = np.concatenate([np.asarray(b, x.dtype), np.asarray(x)[-1:]])
+        else:
+            raise ValueError(f"init_from {path}: tensor {name} is "
+                             f"{'missing' if b is None else tuple(b.shape)} where this run needs "
+                             f"{tuple(x.shape)}")
+    return tree.unflatten(out)
 
 
 def _state_shardings(mesh, abstract, p_shard):

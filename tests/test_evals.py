@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxllm
-from jaxllm.evals import passkey_task, score_task, streameval_task
+from jaxllm.evals import passkey, passkey_task, score_task, streameval_task
 from jaxllm.evals import attention as att
 from jaxllm.evals.common import Task, exact_matches
 from jaxllm.cli import main
@@ -63,7 +63,9 @@ def test_passkey_stream():
         text = TOK.decode(task.ids)
         assert abs(len(task.ids) - 800) < 100
         assert text.count("31415") == 3 and text.endswith("The pass key is 31415")
-        where = text.index("The pass key is 31415.") / len(text)
+        assert text.startswith(passkey.TASK)  # the PoSE authors' layout: the task first
+        body = text[len(passkey.TASK):]
+        where = body.index("The pass key is 31415.") / len(body)
         assert abs(where - depth * 0.88) < 0.15  # the question sits after the filler
         assert exact_matches(oracle_hits(task), task.spans).all()
         assert not exact_matches(oracle_hits(task, [(task.spans[0], "00000")]), task.spans).any()

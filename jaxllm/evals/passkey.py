@@ -1,5 +1,6 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023; REFERENCE §5): a 5-digit key hidden at a given
-depth of repeated filler, asked for at the end. One stream per trial."""
+depth of repeated filler, asked for at the end. One stream per trial. The layout is the one the
+PoSE authors' eval_passkey.py uses: the task, filler, the key line, filler, the question."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -10,6 +11,8 @@ from ..config import ModelConfig
 from ..policy import CachePolicy
 from .common import Task, build, score_task
 
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+        "memorize them. I will quiz you about the important information there. ")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
           "again. ")
 KEY = "The pass key is {k}. Remember it. {k} is the pass key. "
@@ -24,10 +27,11 @@ def passkey_task(n_tokens: int, depth: float, key: str, encode) -> Task:
     if not (len(key) == 5 and key.isdigit()):
         raise ValueError(f"the pass key is 5 digits, got {key!r}")
     per = max(1, len(encode(FILLER)))
-    fixed = len(encode(KEY.format(k=key) + ASK)) + len(encode(key))
+    fixed = len(encode(TASK + KEY.format(k=key) + ASK)) + len(encode(key))
     n_fill = max(0, (n_tokens - fixed) // per)
     before = round(n_fill * depth)
-    segments = [(FILLER * before + KEY.format(k=key) + FILLER * (n_fill - before) + ASK, False, {}),
+    segments = [(TASK + FILLER * before + KEY.format(k=key) + FILLER * (n_fill - before) + ASK,
+                 False, {}),
                 (key, True, {"depth": depth, "tokens": n_tokens})]
     return build(segments, encode)
 

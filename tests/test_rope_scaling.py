@@ -94,6 +94,10 @@ def test_yarn_llama_matches_transformers(rope):
         want = model(torch.from_numpy(tokens)).logits.numpy()
     got, _ = jaxllm.forward(params, cfg, tokens)
     assert np.abs(np.asarray(got) - want).max() <= 1e-4
+    out = convert.config_to_hf(cfg)["rope_parameters"]
+    assert out["rope_type"] == "yarn" and out["original_max_position_embeddings"] == 16
+    if rope is not YARN:
+        return  # greedy decoding once (the logits above already pin the other settings)
     # 32 greedy tokens past the original context
     with torch.no_grad():
         hf = model.generate(torch.from_numpy(tokens[:1, :8]), max_new_tokens=32, do_sample=False,
@@ -102,9 +106,6 @@ def test_yarn_llama_matches_transformers(rope):
                                                                          evict=False),
                           jaxllm.SamplingConfig(max_new_tokens=32))
     np.testing.assert_array_equal(np.asarray(res.tokens[0]), hf)
-    # and the config goes back out as transformers' yarn
-    out = convert.config_to_hf(cfg)["rope_parameters"]
-    assert out["rope_type"] == "yarn" and out["original_max_position_embeddings"] == 16
 
 
 def test_explicit_positions_match_transformers_position_ids():
@@ -157,7 +158,7 @@ def np_pose(ids, Lc, rt1, rt2, rt):
     return np.asarray(chunked), np.asarray(pos)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(n_ids=st.integers(2, 400), Lc=st.integers(2, 64), mult=st.integers(2, 16),
        seed=st.integers(0, 2**31))
 def test_pose_sampler_matches_the_authors_and_its_properties(n_ids, Lc, mult, seed):

@@ -144,14 +144,18 @@ def test_pythia_recipe_schedule_and_weight_decay_mask():
 def test_learnable_sink_examples_never_target_the_sink():
     cfg = recipe("tiny", ["sink=learnable"])
     batch = jnp.arange(2 * 9).reshape(2, 9) % 200
-    x, y = examples(cfg, batch)
-    assert x.shape == y.shape == (2, 8)
+    x, y, pos = examples(cfg, batch)
+    assert x.shape == y.shape == (2, 8) and pos is None
     assert (x[:, 0] == cfg.model.sink_id).all() and (y != cfg.model.sink_id).all()
     np.testing.assert_array_equal(x[:, 1:], batch[:, :7])
     np.testing.assert_array_equal(y, batch[:, :8])
-    x0, y0 = examples(dataclasses.replace(cfg, sink="none"), batch)
+    x0, y0, _ = examples(dataclasses.replace(cfg, sink="none"), batch)
     np.testing.assert_array_equal(x0, batch[:, :8])
     np.testing.assert_array_equal(y0, batch[:, 1:])
+    # PoSE: the sink at position 0, the tokens one position up
+    pos = jnp.asarray([[0, 1, 2, 9, 10, 11, 12, 13, 14]] * 2)
+    _, _, p = examples(cfg, (batch, pos))
+    np.testing.assert_array_equal(p[0], [0, 1, 2, 3, 10, 11, 12, 13])
 
 
 # ---- sharding -------------------------------------------------------------------------------

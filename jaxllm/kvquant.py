@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float
@@ -188,19 +187,8 @@ def roundtrip(x, spec: KVQuant, dtype=None):
 
 # ---- the per-layer store --------------------------------------------------------------------------
 
-@struct.dataclass
-class QStore:
-    """One layer's quantized keys (or values), [B, KVH, S+W, D] as seen by attention.
-
-    ``codes``: [B, KVH, S+W, P] (P = D·b/32 uint32 words for 2/4 bits, D bytes otherwise);
-    ``scale``/``offset``: [B, KVH, S+W, D/G]; ``sinks``: [B, KVH, S, D] in full precision (the
-    codes of the sink slots are written too but never read)."""
-
-    codes: Array
-    scale: Array
-    offset: Optional[Array]
-    sinks: Array
-    spec: KVQuant = struct.field(pytree_node=False)
+class _Slots:
+    """What attention sees of a store: [B, KVH, S+W, D] in the sinks' float dtype."""
 
     @property
     def head_dim(self) -> int:
@@ -214,9 +202,20 @@ class QStore:
     def dtype(self):
         return self.sinks.dtype
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(self))
+
+@struct.dataclass
+class QStore(_Slots):
+    """One layer's quantized keys (or values), [B, KVH, S+W, D] as seen by attention.
+
+    ``codes``: [B, KVH, S+W, P] (P = D·b/32 uint32 words for 2/4 bits, D bytes otherwise);
+    ``scale``/``offset``: [B, KVH, S+W, D/G]; ``sinks``: [B, KVH, S, D] in full precision (the
+    codes of the sink slots are written too but never read)."""
+
+    codes: Array
+    scale: Array
+    offset: Optional[Array]
+    sinks: Array
+    spec: KVQuant = struct.field(pytree_node=False)
 
     def _encode(self, x):
         q, s, o = quantize(x, self.spec)
@@ -294,7 +293,7 @@ def _ring_offsets(W: int):
 
 
 @struct.dataclass
-class KiviKeys:
+class KiviKeys(_Slots):
     """codes [B, KVH, S+W, P] (per slot, packed along channels), scale/offset [B, KVH, W/G, D]
     (per ring group of G slots and channel), resid [B, KVH, R, D], sinks [B, KVH, S, D]."""
 
@@ -305,18 +304,6 @@ class KiviKeys:
     sinks: Array
     spec: KVQuant = struct.field(pytree_node=False)
     reads_before_write = True  # a step reads the pre-step state, then quantizes
-
-    @property
-    def head_dim(self) -> int:
-        return self.sinks.shape[3]
-
-    @property
-    def shape(self) -> tuple:
-        return self.codes.shape[:3] + (self.head_dim,)
-
-    @property
-    def dtype(self):
-        return self.sinks.dtype
 
     def _dequant_ring(self):
         S, D, G = self.sinks.shape[2], self.head_dim, self.spec.group

@@ -38,3 +38,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def backend_compiles(fn) -> list:
+    """The XLA compilations ``fn()`` triggers (jax.monitoring's public event listener)."""
+    events = []
+    listener = lambda event, *a, **k: events.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return [e for e in events if "backend_compile" in e]

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import LLAMA, NEOX
+from conftest import LLAMA, NEOX, backend_compiles
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import NaiveStream, naive_logits
@@ -166,16 +166,12 @@ def test_no_recompilation_while_streaming():
     chunk = np.zeros((1, 500), np.int32)
     for _ in range(2):  # warm-up
         _, cache = jaxllm.forward(params, cfg, chunk, cache)
-    compiles = []
-    listener = lambda event, *a, **k: compiles.append(event)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    def stream():
+        nonlocal cache
         for i in range(20):  # another 10K tokens
             logits, cache = jaxllm.forward(params, cfg, chunk + i % 7, cache)
         logits.block_until_ready()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert [e for e in compiles if "backend_compile" in e] == []
+    assert backend_compiles(stream) == []
 
 
 def test_bad_input_errors():

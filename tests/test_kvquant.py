@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import backend_compiles
 from reference import NaiveStream
 
 import jaxllm
@@ -192,16 +193,12 @@ def test_no_recompilation_and_bounded_counters_when_quantized():
     chunk = np.zeros((1, 500), np.int32)
     for _ in range(2):
         _, cache = jaxllm.forward(PARAMS, CFG, chunk, cache)
-    compiles = []
-    listener = lambda event, *a, **k: compiles.append(event)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    def stream():
+        nonlocal cache
         for i in range(20):  # another 10K tokens
             logits, cache = jaxllm.forward(PARAMS, CFG, chunk + i % 7, cache)
         logits.block_until_ready()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert [e for e in compiles if "backend_compile" in e] == []
+    assert backend_compiles(stream) == []
     assert int(cache.length[0]) == 64 and int(cache.head[0]) == (11000 - 4) % 60
 
 

@@ -181,3 +181,18 @@ def test_pose_errors():
         draw(np.random.default_rng(0), 100, 64, 64)
     with pytest.raises(ValueError, match="draws out of range"):
         pose_sample(np.arange(10), 8, 6, 9, 0)
+
+
+def test_pose_and_rope_scaling_from_the_train_command_line():
+    from train.config import recipe
+    cfg = recipe("tiny", ["pose_target=1024", "model.rope_scaling=yarn:8:128"])
+    assert cfg.pose_target == 1024
+    assert cfg.model.rope_scaling == RopeScaling("yarn", 8.0, original_max_len=128)
+    assert recipe("tiny", ["model.rope_scaling=none"]).model.rope_scaling is None
+    with pytest.raises(ValueError, match="KIND:FACTOR"):
+        recipe("tiny", ["model.rope_scaling=yarn:eight"])
+    with pytest.raises(ValueError, match="yarn rope scaling needs original_max_len"):
+        recipe("tiny", ["model.rope_scaling=yarn:8"])
+    opt = ["model.pos_emb=learned", "model.family=opt", "model.max_seq_len=128"]
+    with pytest.raises(ValueError, match="learned positions for 128 tokens"):
+        recipe("tiny", opt + ["pose_target=1024"])

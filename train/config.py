@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
-from jaxllm.config import BYTE_VOCAB, PRESETS, ModelConfig
+from jaxllm.config import BYTE_VOCAB, PRESETS, ModelConfig, RopeScaling
 from jaxllm.policy import check_positions
 
 
@@ -140,11 +140,29 @@ def _rederive(old: ModelConfig, new: dict) -> dict:
     return out
 
 
+def parse_rope_scaling(value: str) -> Optional[RopeScaling]:
+    """``none`` or ``KIND:FACTOR[:ORIGINAL_LEN]``, e.g. ``yarn:8:128`` (``--set
+    model.rope_scaling=...``)."""
+    if value.lower() == "none":
+        return None
+    kind, _, rest = value.partition(":")
+    factor, _, original = rest.partition(":")
+    try:
+        return RopeScaling(kind, float(factor), original_max_len=int(original or 0))
+    except ValueError as e:
+        if "could not convert" in str(e) or "invalid literal" in str(e):
+            raise ValueError(f"model.rope_scaling takes none or KIND:FACTOR[:ORIGINAL_LEN] "
+                             f"(e.g. yarn:8:128), got {value!r}") from None
+        raise
+
+
 def _parse(cls, name: str, value: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if name not in fields:
         raise ValueError(f"{cls.__name__} has no field {name!r}; fields: {', '.join(fields)}")
     current = getattr(RECIPES["tiny"] if cls is TrainConfig else RECIPES["tiny"].model, name)
+    if cls is ModelConfig and name == "rope_scaling":
+        return parse_rope_scaling(value)
     if isinstance(current, bool):
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"{name} takes true or false, got {value!r}")

@@ -14,11 +14,12 @@ from jaxllm.model import MLP, Attention, Block, Norm, attn_plan  # noqa: E402
 from jaxllm.rope import inv_freq  # noqa: E402
 
 B, T = 2, 11
-VARIANTS = {  # GQA with biases; and scaled RoPE (Llama 3), where the frequencies matter
-    "llama-gqa-bias": dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True),
-    "llama3-rope": dict(num_key_value_heads=1, rope_parameters=dict(
-        rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=4, rope_theta=10000.0)),
+VARIANTS = {  # GQA with biases and scaled RoPE (Llama 3), where the frequencies matter
+    "llama3-gqa-bias": dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                            rope_parameters=dict(rope_type="llama3", factor=4.0,
+                                                 low_freq_factor=1.0, high_freq_factor=4.0,
+                                                 original_max_position_embeddings=4,
+                                                 rope_theta=10000.0)),
 }
 
 

@@ -122,12 +122,11 @@ def test_explicit_positions_match_transformers_position_ids():
 
 
 def test_positions_shift_invariance_and_errors():
-    """RoPE is relative: every position moved by the same offset gives the same logits."""
-    cfg = jaxllm.ModelConfig.llama(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                                   num_kv_heads=2, intermediate_size=48)
-    params = jaxllm.init_params(cfg, jax.random.key(0))
-    tokens = np.random.default_rng(2).integers(0, 64, (1, 10))
-    pos = np.r_[0:4, 20:26][None]
+    """RoPE is relative: every position moved by the same offset gives the same logits (the
+    YaRN model of the test above, the same shapes, so nothing new compiles)."""
+    cfg, params = convert.from_hf(_llama(YARN))
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
+    pos = np.stack([np.r_[0:4, 20:28]] * 2)
     a, _ = jaxllm.forward(params, cfg, tokens, positions=pos)
     b, _ = jaxllm.forward(params, cfg, tokens, positions=pos + 100)
     np.testing.assert_allclose(a, b, atol=2e-5)
@@ -136,7 +135,7 @@ def test_positions_shift_invariance_and_errors():
     with pytest.raises(ValueError, match="strictly increasing"):
         jaxllm.forward(params, cfg, tokens, positions=pos[:, ::-1])
     with pytest.raises(ValueError, match="plain forward"):
-        jaxllm.forward(params, cfg, tokens, jaxllm.init_cache(cfg, 1, 0, 16), positions=pos)
+        jaxllm.forward(params, cfg, tokens, jaxllm.init_cache(cfg, 2, 0, 16), positions=pos)
 
 
 # ---- PoSE position sampling ----------------------------------------------------------------------

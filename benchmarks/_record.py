@@ -25,6 +25,24 @@ def machine() -> str:
             f"({jax.default_backend()}), Python {platform.python_version()}")
 
 
+def time_decode(step, params, cache, steps: int, warmup: int = 2):
+    """``(ms per call, cache)`` of ``step(params, tokens=, cache=, lens=)`` decoding one token per
+    row of ``cache`` (compiled and warmed up first; the cache is donated and threaded through)."""
+    import time
+
+    import jax.numpy as jnp
+    B = cache.batch
+    tok, lens = jnp.ones((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)
+    for _ in range(warmup):
+        logits, cache = step(params, tokens=tok, cache=cache, lens=lens)
+    logits.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits, cache = step(params, tokens=tok, cache=cache, lens=lens)
+    logits.block_until_ready()
+    return (time.perf_counter() - t0) / steps * 1e3, cache
+
+
 def record(title: str, table: str, notes: str = "", dry: bool = False) -> None:
     """Print ``table`` and append it to docs/BENCHMARKS.md with machine, date and command
     (``dry``: print the table and notes only — the scripts' ``--no-record``)."""

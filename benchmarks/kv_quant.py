@@ -20,12 +20,11 @@ import functools
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _record import record  # noqa: E402
+from _record import record, time_decode  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -98,16 +97,9 @@ def timing_table(a) -> str:
             for name in a.formats.split(","):
                 spec = fit(FORMATS[name], cfg.head_dim)
                 cache = jaxllm.init_cache(cfg, B, a.sinks, L, kv_quant=spec)
-                tok, lens = jnp.ones((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)
-                for _ in range(2):  # compile and warm up
-                    logits, cache = step(params, tokens=tok, cache=cache, lens=lens)
-                logits.block_until_ready()
-                t0 = time.perf_counter()
-                for _ in range(a.steps):
-                    logits, cache = step(params, tokens=tok, cache=cache, lens=lens)
-                logits.block_until_ready()
-                ms = (time.perf_counter() - t0) / a.steps * 1e3
-                lines.append(f"| {a.sinks}+{L} | {B} | {spec.describe()} | {ms:.2f} | {B * 1e3 / ms:.0f} |")
+                ms, _ = time_decode(step, params, cache, a.steps)
+                lines.append(f"| {a.sinks}+{L} | {B} | {spec.describe()} | {ms:.2f} | "
+                             f"{B * 1e3 / ms:.0f} |")
                 print(lines[-1], flush=True)
     return "\n".join(lines)
 

@@ -451,7 +451,7 @@ def kivi_counts(cache) -> dict:
     keys quantized / in full precision, values quantized / in full precision, among the
     non-sink tokens in the cache."""
     import numpy as np
-    spec, R = cache.k[0].spec, cache.k[0].spec.residual
+    R = cache.k[0].spec.residual
     n = int(np.asarray(cache.length)[0]) - cache.sinks  # non-sink tokens held
     head = int(np.asarray(cache.head)[0])
     k_full = min(head % R, n) if n < cache.window else head % R

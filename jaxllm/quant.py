@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int, Int8

@@ -285,8 +285,8 @@ class KiviList:
             H, D = keys.shape[1:]
             per_chan = keys.reshape(self.R // self.G, self.G, H, D).transpose(0, 2, 3, 1)
             deq = np_token(per_chan, self.bits, self.G)[0].transpose(0, 3, 1, 2)
-            for e, kq in zip(self.block, deq.reshape(self.R, H, D)):
-                e["kq"] = kq
+            for e, k_hat in zip(self.block, deq.reshape(self.R, H, D)):
+                e["kq"] = k_hat
             self.block = []
         for e in self.entries:  # value flush: a sliding window of exactly R in full precision
             if not e["sink"] and e["vq"] is None and e["u"] < self.n - self.R:

@@ -2,7 +2,6 @@
 golden values (METHODS.md §5), a numpy port of its formulas, and transformers itself."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -20,7 +20,6 @@ OUT/table.md.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os

@@ -1,4 +1,5 @@
-"""Long-stream soak: N tokens (1M by default) through one StreamingLLM cache, recording the NLL
+"""Long-stream soak: N tokens (1M by default) through one StreamingLLM (or H2O / Q-Hitter: --method)
+cache, recording the NLL
 of every 10K-token bucket and the process's resident memory as the stream goes: constant memory,
 no drift, no NaN. Prints a summary, writes bench_out/soak.{json,png}, appends to BENCHMARKS.md.
 The text is the embedded corpus, repeated as often as needed."""
@@ -29,8 +30,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="random:pythia-tiny")
     ap.add_argument("--tokens", type=int, default=1_000_000)
+    ap.add_argument("--method", default="streaming", choices=["streaming", "h2o", "qhitter"])
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--cache", type=int, default=1024)
+    ap.add_argument("--kv-bits", type=int, default=4, help="qhitter's k-bit codes")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--bucket", type=int, default=10_000)
     ap.add_argument("--no-record", action="store_true")
@@ -45,7 +48,9 @@ def main():
     cfg, params, tok = jaxllm.load_model(a.model)
     base = np.asarray(tok.encode(builtin_corpus()), np.int32)
     ids = np.resize(base, a.tokens + 1)  # the corpus repeated
-    pc = CachePolicy("streaming", a.sinks, a.cache)
+    from jaxllm.kvquant import KVQuant
+    kv = KVQuant("token", bits=a.kv_bits, group=0) if a.method == "qhitter" else KVQuant()
+    pc = CachePolicy.of(a.method, a.sinks, a.cache, kv_quant=kv)
     cache = pc.make_cache(cfg, 1, 0)
     rows, acc, n_in, nan = [], 0.0, 0, 0
     t0 = time.perf_counter()
@@ -56,7 +61,8 @@ def main():
         tgts = np.zeros((1, C), np.int32)
         toks[0, :m], tgts[0, :m] = ids[s:s + m], ids[s + 1:s + 1 + m]
         (nll, _), cache = _nll_chunk(params, cfg, cache, jnp.asarray(toks), jnp.asarray(tgts),
-                                     jnp.asarray([m], jnp.int32))
+                                     jnp.asarray([m], jnp.int32),
+                                     stepwise=a.method != "streaming")
         v = np.asarray(nll)[0, :m].astype(np.float64)
         nan += int(np.isnan(v).sum())
         acc += float(np.nansum(v))
@@ -70,7 +76,7 @@ def main():
     spread = float((rss[min(2, len(rss) - 1):].max() - ref) / ref)
     ppl = np.asarray([r["ppl"] for r in rows])
     half = len(ppl) // 2
-    summary = {"model": a.model, "tokens": a.tokens, "cache": f"{pc.sinks}+{pc.window}",
+    summary = {"model": a.model, "tokens": a.tokens, "cache": pc.label,
                "nan": nan, "rss_first_mb": float(ref), "rss_max_mb": float(rss.max()),
                "rss_growth": spread, "ppl_first_half": float(np.mean(ppl[:half])),
                "ppl_second_half": float(np.mean(ppl[half:])),
@@ -80,7 +86,7 @@ def main():
         json.dump(summary, f, indent=2)
     from jaxllm.plots import figure
     with figure(os.path.join(OUT, "soak.png"), f"{a.model}: {a.tokens:,} tokens through "
-                f"StreamingLLM {summary['cache']}", size=(7, 4.6), nrows=2,
+                f"{summary['cache']}", size=(7, 4.6), nrows=2,
                 sharex=True) as (a1, a2):
         a1.plot([r["end"] for r in rows], ppl)
         a1.set_ylabel(f"ppl per {B // 1000}K tokens")
@@ -95,7 +101,7 @@ def main():
     notes = (f"Memory flat within ±5%: {'met' if abs(spread) <= 0.05 else 'NOT met'} "
              f"(current RSS sampled every {B:,} tokens; bench_out/soak.png plots both series). "
              f"The text is the embedded corpus repeated, so per-bucket ppl repeats with it.")
-    record(f"Long-stream soak: {a.tokens:,} tokens through StreamingLLM", table, notes,
+    record(f"Long-stream soak: {a.tokens:,} tokens through {pc.label}", table, notes,
            dry=a.no_record)
 
 

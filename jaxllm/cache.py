@@ -8,6 +8,9 @@ One cache type serves every policy:
 * **window** ``S = 0``: the ring alone.
 * **dense** ``S = 0, W = max length, evict=False``: nothing is ever evicted; writing past the end
   is an error.
+* **H2O / Q-Hitter** (``evict_by``, jaxllm.evict): ``S`` sinks plus ``H + R + 1`` slots whose
+  tokens are chosen by accumulated attention (and quantization error); per-slot scores and
+  positions ride along in ``scores``. The ring arithmetic below does not apply to them.
 
 Semantics (the authors' ``eval_long_ppl.py``, REFERENCE §1): token ``t`` attends to the sinks
 ``0..S-1`` and to tokens ``t-W+1..t``, exactly as if the cache were trimmed to ``S + W`` after every
@@ -43,6 +46,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from .config import ModelConfig
+from .evict import Evict, empty_scores
 from .kvquant import KVQuant, empty_kivi, empty_store
 
 
@@ -55,6 +59,8 @@ class KVCache:
     ``S..S+W-1`` the ring. ``length`` [B]: number of filled slots (= tokens seen, saturating at
     S+W).
     ``head`` [B]: ring offset the next non-sink token is written to.
+    ``scores`` (score-based eviction only, ``evict_by`` set): per layer, jaxllm.evict.Scores;
+    ``length`` then counts the kept tokens (saturating at ``capacity - 1``), ``head`` is unused.
     """
 
     k: tuple  # per layer: Float[Array, "b n c h"], or a kvquant store of that shape
@@ -63,6 +69,8 @@ class KVCache:
     head: Int[Array, " b"]
     sinks: int = struct.field(pytree_node=False)
     evict: bool = struct.field(pytree_node=False, default=True)
+    scores: tuple = ()  # per layer: evict.Scores (score-based caches), else empty
+    evict_by: Optional[Evict] = struct.field(pytree_node=False, default=None)
 
     @property
     def capacity(self) -> int:
@@ -114,14 +122,23 @@ def _as_int(x, name: str) -> int:
 
 def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020, *,
                evict: bool = True, dtype=jnp.float32,
-               kv_quant: Optional[KVQuant] = None) -> KVCache:
+               kv_quant: Optional[KVQuant] = None, evict_by: Optional[Evict] = None
+               ) -> KVCache:
     """An empty cache of ``sinks + window`` slots per row.
 
     ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
     ``sinks=0`` gives window attention; ``sinks=0, window=L, evict=False`` a dense cache of L tokens.
     ``kv_quant``: store keys and values in int8 or k-bit codes (jaxllm.kvquant; the sinks stay in
     ``dtype``), for any of these policies.
+    ``evict_by``: H2O or Q-Hitter (jaxllm.evict) keeping ``sinks + heavy + recent`` tokens; the
+    window is then ``heavy + recent + 1`` (the extra slot takes each new token) and ``window``
+    is ignored.
     """
+    if evict_by is not None:
+        window = evict_by.heavy + evict_by.recent + 1
+        if kv_quant is not None and kv_quant.format == "kivi":
+            raise ValueError("KIVI's key blocks follow a ring's order, which score-based eviction "
+                             "breaks: use --kv-quant token or int8 with h2o/qhitter")
     batch, sinks, window = (_as_int(x, n) for x, n in ((batch, "batch"), (sinks, "sinks"),
                                                          (window, "window")))
     if batch < 1:
@@ -157,10 +174,12 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
                          f"{need / 2**30:.1f} GiB for its keys and values, but only "
                          f"{have / 2**30:.1f} GiB are free on {jax.devices()[0].device_kind}: use "
                          f"a smaller cache (window) or batch")
+    scores = () if evict_by is None else tuple(
+        empty_scores(batch, cfg.num_kv_heads, sinks + window) for _ in range(cfg.num_layers))
     return KVCache(k=tuple(layer() for _ in range(cfg.num_layers)),
                    v=tuple(layer(True) for _ in range(cfg.num_layers)),
                    length=jnp.zeros((batch,), jnp.int32), head=jnp.zeros((batch,), jnp.int32),
-                   sinks=sinks, evict=evict)
+                   sinks=sinks, evict=evict, scores=scores, evict_by=evict_by)
 
 
 def kv_bytes(cache: KVCache) -> int:
@@ -294,11 +313,21 @@ def as_stored(layer_kv, chunk: Float[Array, "b n t h"]) -> Float[Array, "b n t h
     return layer_kv.stored(chunk) if _is_store(layer_kv) else chunk.astype(layer_kv.dtype)
 
 
-def write_layer(layer_kv, chunk: Float[Array, "b n t h"], lay: ChunkLayout):
-    """A layer's keys or values after the chunk is written (see write_chunk)."""
-    scatter = lambda arr, rows: write_chunk(arr, rows, lay)  # noqa: E731
+def write_layer(layer_kv, chunk: Float[Array, "b n t h"], lay: ChunkLayout, scatter=None):
+    """A layer's keys or values after the chunk is written (see write_chunk); ``scatter(array,
+    rows)``, if given, puts the rows [B, KVH, T, ...] somewhere else (jaxllm.evict's slots)."""
+    scatter = scatter or (lambda arr, rows: write_chunk(arr, rows, lay))
     return layer_kv.write(chunk, lay, scatter) if _is_store(layer_kv) else \
         scatter(layer_kv, chunk)
+
+
+def select_slots(layer_kv, chunk: Float[Array, "b n t h"], idx: Int[Array, "b n c"]):
+    """A layer's keys or values holding, in slot i of each row and head, entry ``idx`` of
+    [its slots | the chunk's tokens] (score-based compression, jaxllm.evict.compress)."""
+    if not _is_store(layer_kv):
+        both = jnp.concatenate([layer_kv, chunk.astype(layer_kv.dtype)], axis=2)
+        return jnp.take_along_axis(both, idx[..., None], axis=2)
+    return layer_kv.select(chunk, idx)
 
 
 def after_write(lay: ChunkLayout) -> tuple[Int[Array, "b c"], Bool[Array, "b 1 c"]]:

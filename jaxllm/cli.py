@@ -89,12 +89,39 @@ def load(model: str, need_tokenizer: bool = True):
 
 def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024) -> None:
     p.add_argument("--method", default="streaming",
-                   help="cache policy: dense | window | recompute | streaming")
+                   help="cache policy: dense | window | recompute | streaming | h2o | qhitter")
     p.add_argument("--sinks", type=int, default=None,
                    help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
     p.add_argument("--cache", type=int, default=cache, help="cache size = sinks + window")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
     add_kv_args(p)
+    add_evict_args(p)
+
+
+def _budget(s: str) -> float:
+    """A budget: a count (integer) or a fraction of the text in (0, 1)."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or a fraction in (0, 1), got {s!r}")
+    if x < 0 or (x != int(x) and not 0 < x < 1):
+        raise argparse.ArgumentTypeError(f"expected a count (integer >= 0) or a fraction in "
+                                         f"(0, 1), got {s!r}")
+    return x
+
+
+def add_evict_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("h2o / qhitter (score-based eviction)")
+    g.add_argument("--heavy", type=_budget, default=None,
+                   help="heavy-hitter slots: a count, or a fraction of the text/prompt (0.1 = "
+                        "10%%); default: half (h2o) or 3/4 (qhitter) of --cache minus --sinks")
+    g.add_argument("--recent", type=_budget, default=None,
+                   help="most recent tokens kept, count or fraction (default: the rest)")
+    g.add_argument("--heavy-attn", type=_budget, default=None,
+                   help="qhitter: heavy slots chosen by attention alone (default 7/15 of "
+                        "--heavy, the authors' 7%% of 15%%)")
+    g.add_argument("--lam", type=float, default=0.5,
+                   help="qhitter: λ, attention's weight against quantization error (1 = H2O)")
 
 
 KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in full precision): "
@@ -132,16 +159,40 @@ def kv_quant(a):
 def flag_names(e: Exception) -> str:
     """A library error about KV settings, with the CLI's flag names."""
     return (str(e).replace("kv bits", "--kv-bits").replace("kv group", "--kv-group")
-            .replace("kv residual", "--kv-residual"))
+            .replace("kv residual", "--kv-residual").replace("heavy_attn", "--heavy-attn")
+            .replace("lam (λ)", "--lam"))
 
 
 def policy(a):
     """The CachePolicy of --method/--sinks/--cache/--chunk and the --kv-* flags."""
     from .policy import CachePolicy
     try:
-        return CachePolicy.of(a.method, a.sinks, a.cache, a.chunk, kv_quant(a))
+        return CachePolicy.of(a.method, a.sinks, a.cache, a.chunk, evict_kv(a),
+                              **evict_budgets(a))
     except ValueError as e:
         raise CliError(flag_names(e)) from None
+
+
+def evict_budgets(a) -> dict:
+    """--heavy/--recent/--heavy-attn/--lam for h2o and qhitter (else nothing)."""
+    if a.method not in ("h2o", "qhitter"):
+        given = [f for f in ("heavy", "recent", "heavy_attn") if getattr(a, f) is not None]
+        if given:
+            raise CliError(f"--{given[0].replace('_', '-')} applies to --method h2o or qhitter")
+        return {}
+    return dict(heavy=a.heavy, recent=a.recent, heavy_attn=a.heavy_attn, lam=a.lam)
+
+
+def evict_kv(a):
+    """The KV storage: --kv-* flags; qhitter without --kv-quant stores --kv-bits codes per token
+    over the whole head (the authors' quantizer)."""
+    from .kvquant import KVQuant
+    if a.method == "qhitter" and a.kv_quant == "none":
+        try:
+            return KVQuant("token", bits=a.kv_bits, group=0)
+        except ValueError as e:
+            raise CliError(flag_names(e)) from None
+    return kv_quant(a)
 
 
 def check_streamable(cfg, pc, n_tokens: int = 0) -> None:
@@ -236,7 +287,7 @@ def cmd_ppl(a) -> None:
     check_streamable(cfg, pc, len(ids))
     nll, summary = run_ppl(params, cfg, ids, pc, progress=not a.quiet)
     summary.update(model=a.model, text=a.text or "builtin")
-    line = (f"{pc.label}: ppl {summary['ppl']:.3f} over {summary['tokens_scored']} tokens, "
+    line = (f"{summary['label']}: ppl {summary['ppl']:.3f} over {summary['tokens_scored']} tokens, "
             f"{summary['tokens_per_s']:.0f} tok/s, peak RSS {summary['peak_rss_mb']:.0f} MiB")
     print(line)
     if summary["nan_count"]:
@@ -306,10 +357,13 @@ def add_generate(sub) -> None:
                    help="sample from the k most likely tokens only (0: no limit)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: the smallest set of tokens with this much probability")
+    p.add_argument("--method", default="streaming", choices=["streaming", "h2o", "qhitter"],
+                   help="cache policy: StreamingLLM (sinks + window), or score-based eviction")
     p.add_argument("--sinks", type=int, default=4, help="sink tokens kept in the cache")
     p.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     add_kv_args(p)
+    add_evict_args(p)
     p.set_defaults(fn=cmd_generate)
 
 
@@ -326,11 +380,16 @@ def cmd_generate(a) -> None:
     try:
         sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)
-        pc = CachePolicy("streaming", a.sinks, a.cache, kv_quant=kv_quant(a))
+        pc = CachePolicy.of(a.method, a.sinks, a.cache, kv_quant=evict_kv(a),
+                            **evict_budgets(a))
         if not can_stream(cfg):
+            if a.method != "streaming":
+                check_streamable(cfg, pc)  # position rolling needs RoPE or ALiBi: refuse
             print(f"note: {cfg.family} cannot stream; using a dense cache of {a.cache} tokens",
                   file=sys.stderr)
             pc = CachePolicy("dense", 0, a.cache, kv_quant=pc.kv_quant)
+        # Fractional budgets are of the (first) prompt, as the authors' ratio of prompt length.
+        pc = pc.resolve(len(tok.encode(a.prompt[0])))
         cache = pc.make_cache(cfg, 1, a.cache)
     except ValueError as e:
         raise CliError(flag_names(e)) from None
@@ -457,12 +516,41 @@ def _passkey_args(p) -> None:
     p.add_argument("--trials", type=int, default=5, help="keys per length and depth")
 
 
+def _kv_shift_args(t) -> None:
+    t.add_argument("--prompt-tokens", type=int, default=512,
+                   help="tokens whose heavy hitters are compared")
+    t.add_argument("--stream-tokens", type=int, default=2048,
+                   help="tokens streamed through H2O for the perplexity of each set")
+    t.add_argument("--bits", default="8,4,3,2", help="KV bit widths, comma-separated")
+    t.add_argument("--heavy", type=float, default=0.1, help="heavy share of the text (0.1)")
+    t.add_argument("--recent", type=float, default=0.1, help="recent share of the text (0.1)")
+
+
+def _eval_kv_shift(a, cfg, params, tok) -> dict:
+    from .corpus import builtin_corpus
+    from .evals.kv_shift import kv_shift, plot_kv_shift
+    try:
+        bits = tuple(int(b) for b in a.bits.split(","))
+        rep = kv_shift(params, cfg, tok.encode(builtin_corpus()), bits, a.prompt_tokens,
+                       a.heavy, a.recent, a.stream_tokens)
+    except ValueError as e:
+        raise CliError(flag_names(e) if "kv" in str(e) else str(e)) from None
+    for r in rep["layers"]:
+        print(f"layer {r['layer']}: overlap with float " + ", ".join(
+            f"{b}-bit {r[f'overlap_{b}-bit']:.2f}" for b in bits))
+    print("H2O ppl: " + ", ".join(f"{k} {v:.3f}" for k, v in rep["h2o_ppl"].items()))
+    plot_kv_shift(rep, a.out + ".png", f"{a.model}: heavy hitters under KV quantization")
+    return rep
+
+
 EVAL_TASKS = {  # name: (help, its own options)
     "streameval": ("register lines queried 20 lines back (StreamingLLM Fig. 9)", _streameval_args),
     "passkey": ("a 5-digit key hidden in filler, by length and depth", _passkey_args),
     "qa": ("question/answer records from a JSONL file in one stream", _qa_args),
     "sinks": ("attention maps and the sink metric per layer", _sinks_args),
     "outliers": ("activation outlier channels before/after smoothing", _outliers_args),
+    "kv-shift": ("heavy hitters of float vs k-bit KV, and attention vs quantization error "
+                 "(Q-Hitter Table 1, Fig. 2-3)", _kv_shift_args),
 }
 
 
@@ -588,8 +676,9 @@ def cmd_eval(a) -> None:
     make_parent(a.out)
     cfg, params, tok = load(a.model)
     result = {"model": a.model, "task": a.task}
-    if a.task in ("outliers", "sinks"):
-        run = _eval_outliers if a.task == "outliers" else _eval_sinks
+    if a.task in ("outliers", "sinks", "kv-shift"):
+        run = {"outliers": _eval_outliers, "sinks": _eval_sinks,
+               "kv-shift": _eval_kv_shift}[a.task]
         result.update(run(a, cfg, params, tok))
     else:
         pc = policy(a)

@@ -247,6 +247,20 @@ class QStore(_Slots):
                             offset=None if o is None else scatter(self.offset, o),
                             sinks=scatter(self.sinks, chunk))
 
+    def select(self, chunk: Float[Array, "b n t h"], idx) -> "QStore":
+        """Slot i takes entry ``idx[..., i]`` of [these slots | ``chunk``'s tokens] (score-based
+        eviction's compression); the chunk's tokens are quantized as if written. A sink slot
+        keeps the full-precision copy of whichever token lands there."""
+        C1, S = self.codes.shape[2], self.sinks.shape[2]
+        take = lambda a, new: jnp.take_along_axis(  # noqa: E731
+            jnp.concatenate([a, new.astype(a.dtype)], 2), idx[..., None], axis=2)
+        q, s, o = self._encode(chunk)
+        sink_idx = jnp.where(idx[..., :S] < C1, idx[..., :S], idx[..., :S] - C1 + S)
+        sinks = jnp.take_along_axis(jnp.concatenate([self.sinks, chunk.astype(self.dtype)], 2),
+                                    sink_idx[..., None], axis=2)
+        return self.replace(codes=take(self.codes, q), scale=take(self.scale, s),
+                            offset=None if o is None else take(self.offset, o), sinks=sinks)
+
 
 def _codes(spec: KVQuant, batch, kv_heads, slots, head_dim):
     width = head_dim * spec.bits // 32 if spec.packed else head_dim

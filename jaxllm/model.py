@@ -12,6 +12,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from . import cache as kvc
+from . import evict
 from .config import ModelConfig
 from .policy import check_positions
 from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
@@ -162,8 +163,11 @@ def _part_scores(q, q_rot: Rotation, k, k_rot: Rotation, cfg: ModelConfig,
     if cfg.pos_emb == "alibi":
         G = cfg.num_heads // cfg.num_kv_heads
         slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(cfg.num_kv_heads, G)
-        dist = (q_rot.pos[:, :, None] - k_rot.pos[:, None, :]).astype(jnp.float32)  # [B, T, L]
-        s = s - slopes[None, :, :, None, None] * dist[:, None, None]
+        if k_rot.pos.ndim == 3:  # per-head key positions [B, KVH, L] (score-based eviction)
+            dist = q_rot.pos[:, None, None, :, None] - k_rot.pos[:, :, None, None, :]
+        else:
+            dist = (q_rot.pos[:, :, None] - k_rot.pos[:, None, :])[:, None, None]  # [B, T, L]
+        s = s - slopes[None, :, :, None, None] * dist.astype(jnp.float32)
     return s
 
 
@@ -187,6 +191,7 @@ class AttnPlan(NamedTuple):
     mask: Bool[Array, "b t l"]  # [B or 1, T, S + L]
     q_sink: Optional[Rotation] = None  # queries at min(t, S+W-1), for the sink keys
     k_sink: Optional[Rotation] = None  # sink keys at 0..S-1
+    table: Optional[Rotation] = None  # positions 0..C+T-1, for per-head key positions (evict)
 
 
 def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, sinks: int,
@@ -197,6 +202,13 @@ def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, 
     fr = freq if cfg.pos_emb == "rope" else None
     m = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
     rotation = functools.partial(_rotation, scale=m)
+    if isinstance(lay, evict.Layout):  # score-based: keys at their rank, per head (evict.py)
+        table = rotation(jnp.broadcast_to(jnp.arange(lay.keep + 1 + T), (B, lay.keep + 1 + T)),
+                         fr)
+        rot = table.take(lay.pos[:, None])
+        rot = Rotation(lay.pos, *(None if x is None else x[:, 0] for x in rot[1:]))
+        return AttnPlan(rot, rot, lay.chunk_mask & _within_window(lay.pos, lay.pos, cfg),
+                        table=table)
     if lay is None:  # plain causal forward (causal in token order)
         pos = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
         rot = rotation(pos, fr)
@@ -238,7 +250,9 @@ class Attention(nn.Module):
         k, v = (proj(cfg.num_kv_heads, n).transpose(0, 2, 1, 3) for n in ("k", "v"))
         int8_att = self.get_variable("params", "int8_attention")  # QAttention: INT8 QKᵀ and PV (SmoothQuant)
 
-        if lay is None:  # plain causal forward
+        if isinstance(lay, evict.Layout):
+            ctx, new_cache = _scored_attention(q, k, v, layer_cache, lay, plan, cfg, int8_att)
+        elif lay is None:  # plain causal forward
             ctx, probs = _attend([_part_scores(q, plan.q, k, plan.keys, cfg, int8_att)], [v],
                                  plan.mask, cfg, int8_att)
             # Attention maps for analysis (jaxllm.evals.attention), kept only when the
@@ -277,6 +291,60 @@ class Attention(nn.Module):
             ctx, _ = _attend(scores, values, plan.mask, cfg, int8_att)
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)
         return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
+
+
+def _scored_attention(q, k, v, layer_cache, lay: evict.Layout, plan: AttnPlan,
+                      cfg: ModelConfig, int8_att):
+    """Attention through an H2O / Q-Hitter cache (jaxllm.evict): each KV head's kept keys sit
+    at their own ranks; the attention paid to every key is added to its score, then the cache
+    evicts (one token per decode step, or compresses after a chunk)."""
+    ck, cv, sc = layer_cache
+    B, T = q.shape[:2]
+    spec, S = lay.spec, lay.sinks
+    roundtrip = functools.partial(kvc.as_stored, ck)
+    err = jnp.stack([evict.token_error(k, roundtrip), evict.token_error(v, functools.partial(
+        kvc.as_stored, cv))], -1) if spec.uses_error else jnp.zeros(k.shape[:3] + (2,))
+    err = jnp.where((lay.pos < S)[:, None, :, None], 0.0, err)  # sinks stay in full precision
+
+    def cache_scores(keys, sc):
+        s = _part_scores(q, plan.q, keys, plan.table.take(sc.rank), cfg, int8_att)
+        ok = sc.rank >= 0  # [B, KVH, C1]
+        if cfg.sliding_window:
+            ok = ok & (lay.pos[:, None, :, None] - sc.rank[:, :, None, :] < cfg.sliding_window)
+            ok = ok[:, :, None]  # [B, KVH, 1, T, C1]
+        else:
+            ok = ok[:, :, None, None]
+        return jnp.where(ok, s, NEG_INF)
+
+    active = lay.lens > 0
+    if T == 1:  # decode: write the token into the free slot, attend over all, evict one
+        bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(k.shape[1]), indexing="ij")
+        slot = jnp.where(active[:, None], sc.free, ck.shape[2])  # out of range: not written
+
+        def scatter(arr, rows):
+            return arr.at[bi, hi, slot].set(rows[:, :, 0].astype(arr.dtype), mode="drop")
+
+        ck, cv = kvc.write_layer(ck, k, None, scatter), kvc.write_layer(cv, v, None, scatter)
+        sc = evict.written(sc, lay.n, active, err[:, :, 0])
+        keys, values = kvc.read_layer(ck, None), kvc.read_layer(cv, None)
+        C1 = keys.shape[2]
+        ctx, probs = _attend([cache_scores(keys, sc)], [values], jnp.ones((B, 1, C1), bool),
+                             cfg, int8_att)
+        sc = evict.decode_update(sc, probs, lay.n, active, spec, S)
+        return ctx, (ck, cv, sc)
+    # A chunk: attend to what is kept and to its own tokens as they will be stored (a token
+    # that becomes a sink stays in full precision), then compress.
+    keys, values = kvc.read_layer(ck, None), kvc.read_layer(cv, None)
+    C1 = keys.shape[2]
+    sink = (lay.pos < S)[:, None, :, None]
+    k_st = jnp.where(sink, k.astype(keys.dtype), kvc.as_stored(ck, k))
+    v_st = jnp.where(sink, v.astype(values.dtype), kvc.as_stored(cv, v))
+    scores = [cache_scores(keys, sc), _part_scores(q, plan.q, k_st, plan.keys, cfg, int8_att)]
+    mask = jnp.concatenate([jnp.ones((B, T, C1), bool), plan.mask], -1)
+    ctx, probs = _attend(scores, [values, v_st], mask, cfg, int8_att)
+    p = jnp.sum(jnp.where(lay.valid[:, None, None, :, None], probs, 0.0), axis=(2, 3))
+    sc, idx = evict.compress(sc, p[..., :C1], p[..., C1:], err, lay, spec)
+    return ctx, (kvc.select_slots(ck, k, idx), kvc.select_slots(cv, v, idx), sc)
 
 
 ACTIVATIONS = {"gelu": lambda h: jax.nn.gelu(h, approximate=False),
@@ -345,19 +413,23 @@ class Transformer(nn.Module):
         # RoPE frequencies, positions, tables and masks once per forward, shared by all layers;
         # only dynamic NTK scaling depends on the length.
         seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.new_length
+        if isinstance(lay, evict.Layout):  # what the last query sees: kept + the chunk
+            seq_len = lay.n + lay.lens
         if positions is not None:  # explicit positions: the sequence reaches the largest + 1
             seq_len = jnp.max(positions, axis=1).astype(jnp.int32) + 1
         freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
         plan = attn_plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq,
                          write_first=cache is None or not kvc.reads_before_write(cache.k[0]),
                          positions=positions)
-        new_k, new_v = [], []
+        new_k, new_v, new_s = [], [], []
         for layer in range(cfg.num_layers):
-            layer_cache = None if cache is None else (cache.k[layer], cache.v[layer])
+            layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
+                cache.scores[layer:layer + 1]  # + the layer's evict.Scores if score-based
             x, nc = Block(cfg, name=f"layer_{layer}")(x, layer_cache, lay, plan)
             if nc is not None:
                 new_k.append(nc[0])
                 new_v.append(nc[1])
+                new_s.extend(nc[2:])
         if cfg.final_norm:
             x = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_final")(x)
         if cfg.embedding_dim != cfg.hidden_size:
@@ -366,7 +438,7 @@ class Transformer(nn.Module):
             logits = embed.attend(x.astype(jnp.float32), cfg.vocab_size)
         else:
             logits = Linear(cfg.vocab_size, False, cfg.init_std, dt, name="lm_head")(x)
-        return logits.astype(jnp.float32), (tuple(new_k), tuple(new_v))
+        return logits.astype(jnp.float32), (tuple(new_k), tuple(new_v), tuple(new_s))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
@@ -401,7 +473,9 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
                          "(cache=None); with a cache, positions are assigned within the cache")
     B, T = tokens.shape
     W = cache.window
-    if T <= W:
+    # Score-based eviction prefills as its authors do: the whole chunk attends fully, then is
+    # compressed once (jaxllm.evict), so its positions reach C + T (bounded by the chunk).
+    if T <= W or cache.evict_by is not None:
         return _forward_chunk(params, cfg, tokens, cache, lens)
     # A chunk longer than the window goes through in blocks of W tokens (a scan inside the same
     # jit). Within a chunk, queries and keys are rotated at their chunk offsets, so a long chunk
@@ -422,9 +496,15 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
 
 
 def _forward_chunk(params, cfg: ModelConfig, tokens, cache, lens):
-    """One chunk of at most ``cache.window`` tokens through the cache."""
+    """One chunk of at most ``cache.window`` tokens (any length with score-based eviction)
+    through the cache."""
+    if cache.evict_by is not None:  # H2O / Q-Hitter (jaxllm.evict)
+        lay = evict.layout(cache.length, lens, tokens.shape[1], cache.sinks,
+                           cache.capacity - 1, cache.evict_by)
+        logits, (ks, vs, ss) = Transformer(cfg).apply({"params": params}, tokens, cache, lay)
+        return logits, cache.replace(k=ks, v=vs, scores=ss, length=lay.new_length)
     lay = kvc.chunk_layout(cache, lens, tokens.shape[1])
-    logits, (ks, vs) = Transformer(cfg).apply({"params": params}, tokens, cache, lay)
+    logits, (ks, vs, _) = Transformer(cfg).apply({"params": params}, tokens, cache, lay)
     # A dense cache asked to overflow: under jit we cannot raise, so the row's logits become NaN
     # (outside jit, forward() raises before getting here).
     logits = jnp.where(lay.overflow[:, None, None], jnp.nan, logits)

@@ -18,7 +18,7 @@ import numpy as np
 from .config import ModelConfig
 from .model import apply
 from .plots import figure, running_mean
-from .policy import METHODS, CachePolicy, check_positions, with_sink
+from .policy import METHODS, SCORED, CachePolicy, check_positions, with_sink
 
 PplConfig = CachePolicy  # the name this module's API has always used
 __all__ = ["METHODS", "CachePolicy", "PplConfig", "run_ppl", "stream_nll", "stream_score",
@@ -32,10 +32,21 @@ def _score(logits, targets):
     return nll, jnp.argmax(logits, axis=-1) == targets
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens):
-    logits, cache = apply(params, cfg, toks, cache, lens)
-    return _score(logits, targets), cache
+@functools.partial(jax.jit, static_argnames=("cfg", "stepwise"), donate_argnames=("cache",))
+def _nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens, stepwise: bool = False):
+    if not stepwise:
+        logits, cache = apply(params, cfg, toks, cache, lens)
+        return _score(logits, targets), cache
+
+    # Score-based eviction decides after every token, and a chunk would let its tokens see
+    # each other beyond the budget: feed one token at a time (a scan inside the same jit).
+    def step(c, xs):
+        tok, t = xs
+        logits, c = apply(params, cfg, tok[:, None], c, (t < lens).astype(jnp.int32))
+        return c, logits[:, 0]
+
+    cache, logits = jax.lax.scan(step, cache, (toks.T, jnp.arange(toks.shape[1])))
+    return _score(logits.transpose(1, 0, 2), targets), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -56,7 +67,8 @@ def _cached_nll(params, cfg, tokens, pc: PplConfig, bar):
         toks = np.zeros((1, C), np.int32)
         tgts = np.zeros((1, C), np.int32)
         toks[0, :m], tgts[0, :m] = tokens[s:s + m], tokens[s + 1:s + 1 + m]
-        (out, ok), cache = _nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32))
+        (out, ok), cache = _nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32),
+                                      stepwise=pc.method in SCORED)
         nll[s:s + m], hit[s:s + m] = np.asarray(out)[0, :m], np.asarray(ok)[0, :m]
         bar.update(m)
     return nll, hit
@@ -106,6 +118,7 @@ def stream_score(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}); got {tokens.min()}.."
                          f"{tokens.max()}: does the tokenizer match the model?")
     lead = with_sink(cfg, tokens)
+    pc = pc.resolve(lead.size)  # h2o/qhitter budgets given as fractions of the text
     check_positions(cfg, pc.method, pc.cache if pc.method == "recompute" else lead.size)
     skip = lead.size - tokens.size  # predictions of tokens[0] from the sink: not scored
     with tqdm(total=lead.size - 1, unit="tok", unit_scale=True, disable=not progress,
@@ -147,6 +160,7 @@ def plot_nll(nll: np.ndarray, path: str, title: str, smooth: Optional[int] = Non
 def run_ppl(params, cfg: ModelConfig, tokens, pc: PplConfig, progress: bool = True) -> tuple:
     """``(nll, summary)`` where the summary carries timing and peak memory."""
     t0 = time.perf_counter()
+    pc = pc.resolve(len(with_sink(cfg, np.asarray(tokens).reshape(-1))))
     nll = stream_nll(params, cfg, tokens, pc, progress)
     secs = time.perf_counter() - t0
     summary = {"method": pc.method, "label": pc.label, "sinks": pc.sinks,

@@ -77,6 +77,18 @@ class Rotation(NamedTuple):
         """Positions ``start:stop`` of this set."""
         return Rotation(*(None if x is None else x[:, start:stop] for x in self))
 
+    def take(self, pos: Int[Array, "b n l"]) -> "Rotation":
+        """Per-head positions ``pos`` looked up in this table of positions 0..P-1 (a gather,
+        not a cos/sin per layer: score-based caches place each head's keys differently)."""
+        if self.cos is None:
+            return Rotation(pos)
+        idx = jnp.clip(pos, 0, self.pos.shape[1] - 1)
+        B, N, L = idx.shape
+        flat = idx.reshape(B, N * L, 1)
+        cos, sin = (jnp.take_along_axis(t, flat, axis=1).reshape(B, N, L, -1)
+                    for t in (self.cos, self.sin))
+        return Rotation(pos, cos, sin)
+
 
 def rotation(pos: Int[Array, "b l"], freq: Optional[Float[Array, "b r2"]],
              scale: float = 1.0) -> Rotation:
@@ -85,7 +97,9 @@ def rotation(pos: Int[Array, "b l"], freq: Optional[Float[Array, "b r2"]],
     alike, so the scores scale by its square)."""
     if freq is None or freq.shape[-1] == 0:
         return Rotation(pos)
-    ang = pos.astype(jnp.float32)[..., None] * freq[:, None, :]  # [b, l, r/2]
+    # [b, l, r/2], or [b, n, l, r/2] for per-head positions [b, n, l] (score-based eviction)
+    freq = freq.reshape(freq.shape[:1] + (1,) * (pos.ndim - 1) + freq.shape[1:])
+    ang = pos.astype(jnp.float32)[..., None] * freq
     if scale == 1.0:
         return Rotation(pos, jnp.cos(ang), jnp.sin(ang))
     return Rotation(pos, scale * jnp.cos(ang), scale * jnp.sin(ang))
@@ -103,9 +117,10 @@ def apply_rope(x: Float[Array, "b t n h"], rot: Rotation, head_major: bool = Fal
     if rot.cos is None:
         return x
     rotary_dim = 2 * rot.cos.shape[-1]
-    axis = 1 if head_major else 2  # broadcast over the heads axis
-    cos = jnp.expand_dims(jnp.concatenate([rot.cos, rot.cos], -1), axis)  # [.., r]
-    sin = jnp.expand_dims(jnp.concatenate([rot.sin, rot.sin], -1), axis)
+    axis = 1 if head_major else 2  # broadcast over the heads axis, unless per-head already
+    cos, sin = (jnp.concatenate([t, t], -1) for t in (rot.cos, rot.sin))  # [.., r]
+    if cos.ndim < x.ndim:
+        cos, sin = jnp.expand_dims(cos, axis), jnp.expand_dims(sin, axis)
     xf = x.astype(jnp.float32)
     r, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
     half = rotary_dim // 2

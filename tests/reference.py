@@ -120,6 +120,24 @@ class NaiveStream:
         # whose stored values depend on when they are flushed, e.g. KIVI)
         self.lists = [kv_list() for _ in range(cfg.num_layers)] if kv_list else None
 
+    def _attention(self, li, q, k, v, trim):
+        """The attention output [H, hd] of layer ``li``'s query, its cache updated."""
+        if self.lists is not None:
+            self.lists[li].add(k, v, sink=self.t < self.S)
+            if trim:
+                self.lists[li].evict()
+            ks, vs = self.lists[li].view()
+        else:
+            if self.kv_store is not None and self.t >= self.S:  # sinks: full precision
+                k, v = self.kv_store(k), self.kv_store(v)
+            self.kv[li].append((k, v))
+            if trim:  # evict the oldest non-sink token
+                del self.kv[li][self.S]
+            ks = np.stack([a for a, _ in self.kv[li]])
+            vs = np.stack([b for _, b in self.kv[li]])
+        n = len(ks)
+        return _attn_out(q, ks, vs, n - 1, np.arange(n), cfg=self.cfg, sinks=self.S)
+
     def step(self, token: int) -> np.ndarray:
         cfg, p = self.cfg, self.p
         x = p["embed"]["embedding"][token]
@@ -136,22 +154,7 @@ class NaiveStream:
             q = clip(_lin(h, lp["attn"]["q"])).reshape(cfg.num_heads, cfg.head_dim)
             k = clip(_lin(h, lp["attn"]["k"])).reshape(cfg.num_kv_heads, cfg.head_dim)
             v = clip(_lin(h, lp["attn"]["v"])).reshape(cfg.num_kv_heads, cfg.head_dim)
-            if self.lists is not None:
-                self.lists[li].add(k, v, sink=self.t < self.S)
-                if trim:
-                    self.lists[li].evict()
-                ks, vs = self.lists[li].view()
-            else:
-                if self.kv_store is not None and self.t >= self.S:  # sinks: full precision
-                    k, v = self.kv_store(k), self.kv_store(v)
-                self.kv[li].append((k, v))
-                if trim:  # evict the oldest non-sink token
-                    del self.kv[li][self.S]
-                ks = np.stack([a for a, _ in self.kv[li]])
-                vs = np.stack([b for _, b in self.kv[li]])
-            n = len(ks)
-            a = _attn_out(q, ks, vs, n - 1, np.arange(n), cfg, self.S).reshape(-1)
-            a = _lin(a, lp["attn"]["o"])
+            a = _lin(self._attention(li, q, k, v, trim).reshape(-1), lp["attn"]["o"])
             if self.lists is not None:
                 self.lists[li].after()  # quantize after the step's attention
             if cfg.parallel_residual:
@@ -183,3 +186,63 @@ class NaiveStream:
 def naive_logits(params, cfg, tokens, sinks=0, window=None) -> np.ndarray:
     """[B, T] tokens -> [B, T, V] logits, each row streamed independently."""
     return np.stack([NaiveStream(params, cfg, sinks, window).run(row) for row in np.asarray(tokens)])
+
+
+class NaiveEvictStream(NaiveStream):
+    """H2O / Q-Hitter token by token (jaxllm.evict's rules, written from METHODS.md §1-2): per
+    layer and KV head a Python list of kept entries in stream order; each token is appended,
+    attended to at list positions 0..n-1 (position rolling), its group's attention added to every
+    entry's score; then, above S+H+R entries, the lowest-scoring candidate (neither one of the
+    first S nor one of the last R) is deleted. ``lam < 1``: Q-Hitter's combined score, with the
+    ``attn_only`` best candidates by attention kept first; ``kv_store`` quantizes non-sinks."""
+
+    def __init__(self, params, cfg, sinks, heavy, recent, lam=1.0, attn_only=0, kv_store=None):
+        super().__init__(params, cfg, sinks)
+        self.C, self.R, self.lam, self.A = sinks + heavy + recent, recent, lam, attn_only
+        self.store = kv_store or (lambda x: x)
+        # per layer, per KV head: entries [k, v, acc, e_k, e_v]
+        self.heads = [[[] for _ in range(cfg.num_kv_heads)] for _ in range(cfg.num_layers)]
+
+    def _attention(self, li, q, k, v, trim):
+        cfg = self.cfg
+        G, hd = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        out = np.zeros((cfg.num_heads, hd))
+        sink = self.t < self.S
+        for h, entries in enumerate(self.heads[li]):
+            ks_, vs_ = (k[h], v[h]) if sink else (self.store(k[h]), self.store(v[h]))
+            entries.append([ks_, vs_, 0.0, np.linalg.norm(ks_ - k[h]),
+                            np.linalg.norm(vs_ - v[h])])
+            n = len(entries)
+            ks = np.stack([e[0] for e in entries])[:, None]
+            kr = _rope(ks, np.arange(n), cfg, n)[:, 0]
+            for g in range(G):
+                hq = h * G + g
+                qr = _rope(q[hq][None, None], [n - 1], cfg, n)[0, 0]
+                s = kr @ qr / math.sqrt(hd)
+                if cfg.pos_emb == "alibi":
+                    s = s - _slope(hq, cfg.num_heads, cfg.alibi_bias_max) * (n - 1 - np.arange(n))
+                w = np.exp(s - s.max())
+                w = w / w.sum()
+                out[hq] = w @ np.stack([e[1] for e in entries])
+                for e, wi in zip(entries, w):
+                    e[2] += wi
+        if len(self.heads[li][0]) > self.C:
+            self._evict(self.heads[li])
+        return out
+
+    def _evict(self, heads):
+        def norm(vals):  # min-max over every head's entries of the layer
+            allv = np.concatenate(vals)
+            lo, hi = allv.min(), allv.max()
+            return [(x - lo) / (hi - lo) if hi > lo else np.zeros_like(x) for x in vals]
+        acc = norm([np.array([e[2] for e in es]) for es in heads])
+        ek = norm([np.array([e[3] for e in es]) for es in heads])
+        ev = norm([np.array([e[4] for e in es]) for es in heads])
+        for h, es in enumerate(heads):
+            n = len(es)
+            cand = list(range(self.S, n - self.R))
+            raw = np.array([es[i][2] for i in cand])
+            default = set(np.array(cand)[np.argsort(-raw)[:self.A]]) if self.A else set()
+            score = {i: self.lam * acc[h][i] + (1 - self.lam) * (1 - (ek[h][i] + ev[h][i]) / 2)
+                     if self.lam < 1 else es[i][2] for i in cand if i not in default}
+            del es[min(score, key=score.get)]

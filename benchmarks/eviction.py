@@ -1,0 +1,149 @@
+"""Score-based eviction (H2O, Q-Hitter) against window and StreamingLLM: perplexity per KV budget,
+Q-Hitter's λ ablation, and the decode-step cost of the score bookkeeping.
+
+1. perplexity of the embedded models over held-out text (the corpus' second half), one token
+   per step, per budget (a share of the text, or 4+124 = 128 slots) for window, StreamingLLM
+   (4 sinks), H2O (half heavy, half recent: the paper's 10% + 10% at 20%), H2O+quant and
+   Q-Hitter (the authors' 15% / 5% split with 7/15 of the heavy slots by attention alone, λ 0.5)
+   at 4 and 3 bits per token over the whole head, against the full (dense) cache;
+2. the λ ablation at 3 bits and a 20% budget (Q-Hitter Fig. 9);
+3. decode ms/token of a full cache (random Pythia-160M weights) for StreamingLLM, H2O and
+   Q-Hitter at the same number of slots, measured in one process.
+
+Tables 1-2 go to docs/RESULTS.md, table 3 to docs/BENCHMARKS.md.
+
+    python benchmarks/eviction.py                    # CPU-sized defaults
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _record  # noqa: E402
+from _record import record, time_decode  # noqa: E402
+
+import jax  # noqa: E402
+
+import jaxllm  # noqa: E402
+from jaxllm.corpus import builtin_corpus  # noqa: E402
+from jaxllm.kvquant import KVQuant  # noqa: E402
+from jaxllm.model import apply  # noqa: E402
+from jaxllm.policy import CachePolicy  # noqa: E402
+from jaxllm.ppl import stream_nll  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "docs", "RESULTS.md")
+
+
+def q(bits):
+    return KVQuant("token", bits=bits, group=0)
+
+
+def policies(budget: int) -> dict:
+    """Every method at ``budget`` slots."""
+    h, r = budget // 2, budget - budget // 2
+    qh, qr = budget - budget // 4, budget // 4
+    return {"window": CachePolicy("window", 0, budget, 1),
+            "StreamingLLM": CachePolicy("streaming", 4, budget, 1),
+            "H2O": CachePolicy.of("h2o", 0, budget, 1, heavy=h, recent=r),
+            "H2O+quant 4-bit": CachePolicy.of("h2o", 0, budget, 1, q(4), heavy=h, recent=r),
+            "H2O+quant 3-bit": CachePolicy.of("h2o", 0, budget, 1, q(3), heavy=h, recent=r),
+            "Q-Hitter 4-bit": CachePolicy.of("qhitter", 0, budget, 1, q(4), heavy=qh, recent=qr),
+            "Q-Hitter 3-bit": CachePolicy.of("qhitter", 0, budget, 1, q(3), heavy=qh, recent=qr)}
+
+
+def ppl(params, cfg, ids, pc) -> float:
+    return float(np.exp(stream_nll(params, cfg, ids, pc).astype(np.float64).mean()))
+
+
+def budget_table(a, models) -> tuple[str, str]:
+    shares = [float(x) for x in a.budgets.split(",")]
+    cols = [f"{s:.0%}" for s in shares] + ["4+124"]
+    head = "| model | method | " + " | ".join(cols) + " |"
+    lines = [head, "|---|---|" + "---:|" * len(cols)]
+    lam_lines = ["| model | " + " | ".join(f"λ {x:g}" for x in a.lams) + " |",
+                 "|---|" + "---:|" * len(a.lams)]
+    for model, (cfg, params, ids) in models.items():
+        full = ppl(params, cfg, ids, CachePolicy("dense", 0, len(ids), 256))
+        lines.append(f"| {model} | full cache ({len(ids)} tokens) | " +
+                     " | ".join(f"{full:.3f}" for _ in cols) + " |")
+        budgets = [max(8, int(s * len(ids))) for s in shares] + [128]
+        table = {}
+        for b in budgets:
+            for name, pc in policies(b).items():
+                table.setdefault(name, []).append(ppl(params, cfg, ids, pc))
+                print(f"{model} {pc.label}: {table[name][-1]:.3f}", flush=True)
+        for name, vals in table.items():
+            lines.append(f"| {model} | {name} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+        b = int(0.2 * len(ids))
+        row = []
+        for lam in a.lams:
+            pc = CachePolicy.of("qhitter", 0, b, 1, q(3), heavy=b - b // 4, recent=b // 4,
+                                lam=lam)
+            row.append(ppl(params, cfg, ids, pc))
+        lam_lines.append(f"| {model} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+    return "\n".join(lines), "\n".join(lam_lines)
+
+
+def timing_table(a) -> str:
+    cfg = jaxllm.PRESETS[a.timing_preset]
+    params = jaxllm.init_params(cfg, jax.random.key(0))
+    step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
+    lines = ["| slots | batch | policy | ms/token | vs StreamingLLM |", "|---:|---:|---|---:|---:|"]
+    for L in [int(x) for x in a.timing_caches.split(",")]:
+        for B in [int(x) for x in a.timing_batch.split(",")]:
+            base = None
+            for pc in (CachePolicy("streaming", 4, L), CachePolicy.of("h2o", 4, L),
+                       CachePolicy.of("qhitter", 4, L, kv_quant=KVQuant()),
+                       CachePolicy.of("qhitter", 4, L)):
+                cache = pc.make_cache(cfg, B, L)
+                # fill it first, so every timed step evicts
+                _, cache = step(params, tokens=np.ones((B, L), np.int32), cache=cache,
+                                lens=np.full((B,), L, np.int32))
+                ms, _ = time_decode(step, params, cache, a.steps)
+                base = base or ms
+                lines.append(f"| {L} | {B} | {pc.label} | {ms:.2f} | {ms / base:.2f}x |")
+                print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="embedded,embedded-sink")
+    ap.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored")
+    ap.add_argument("--budgets", default="0.05,0.1,0.2,0.5", help="shares of the text")
+    ap.add_argument("--lams", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--timing-preset", default="pythia-160m")
+    ap.add_argument("--timing-caches", default="1024,4096")
+    ap.add_argument("--timing-batch", default="1")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--skip", default="", help="comma-separated: ppl, timing")
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args()
+    skip = set(a.skip.split(",")) - {""}
+    if "ppl" not in skip:
+        models = {}
+        for m in a.models.split(","):
+            cfg, params, tok = jaxllm.load_model(m)
+            ids = np.asarray(tok.encode(builtin_corpus()), np.int32)
+            models[m] = (cfg, params, ids[len(ids) // 2:][:a.tokens])
+        budgets, lams = budget_table(a, models)
+        doc, _record.DOC = _record.DOC, RESULTS  # quality tables belong with the results
+        try:
+            record("H2O and Q-Hitter: perplexity per KV budget", budgets + "\n\nQ-Hitter λ "
+                   "ablation, 3-bit, 20% budget:\n\n" + lams, dry=a.no_record)
+        finally:
+            _record.DOC = doc
+    if "timing" not in skip:
+        record("Score-based eviction: decode step cost", f"Decode step, {a.timing_preset} "
+               f"(random weights), a full cache:\n\n" + timing_table(a), dry=a.no_record)
+
+
+if __name__ == "__main__":
+    main()

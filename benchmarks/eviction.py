@@ -98,7 +98,7 @@ def timing_table(a) -> str:
         for B in [int(x) for x in a.timing_batch.split(",")]:
             base = None
             for pc in (CachePolicy("streaming", 4, L), CachePolicy.of("h2o", 4, L),
-                       CachePolicy.of("qhitter", 4, L, kv_quant=KVQuant()),
+                       CachePolicy("qhitter", 4, L),  # float storage: the bookkeeping only
                        CachePolicy.of("qhitter", 4, L)):
                 cache = pc.make_cache(cfg, B, L)
                 # fill it first, so every timed step evicts

@@ -537,7 +537,9 @@ def _eval_kv_shift(a, cfg, params, tok) -> dict:
         raise CliError(flag_names(e) if "kv" in str(e) else str(e)) from None
     for r in rep["layers"]:
         print(f"layer {r['layer']}: overlap with float " + ", ".join(
-            f"{b}-bit {r[f'overlap_{b}-bit']:.2f}" for b in bits))
+            f"{b}-bit {r[f'overlap_{b}-bit']:.2f}" for b in bits) +
+            f"; attention vs {min(bits)}-bit error, Spearman "
+            f"{r[f'spearman_{min(bits)}-bit']:+.2f}")
     print("H2O ppl: " + ", ".join(f"{k} {v:.3f}" for k, v in rep["h2o_ppl"].items()))
     plot_kv_shift(rep, a.out + ".png", f"{a.model}: heavy hitters under KV quantization")
     return rep

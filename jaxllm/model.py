@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -191,7 +191,7 @@ class AttnPlan(NamedTuple):
     mask: Bool[Array, "b t l"]  # [B or 1, T, S + L]
     q_sink: Optional[Rotation] = None  # queries at min(t, S+W-1), for the sink keys
     k_sink: Optional[Rotation] = None  # sink keys at 0..S-1
-    table: Optional[Rotation] = None  # positions 0..C+T-1, for per-head key positions (evict)
+    rotate: Optional[Callable] = None  # positions -> Rotation, for per-head key positions
 
 
 def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, sinks: int,
@@ -203,12 +203,20 @@ def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, 
     m = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
     rotation = functools.partial(_rotation, scale=m)
     if isinstance(lay, evict.Layout):  # score-based: keys at their rank, per head (evict.py)
-        table = rotation(jnp.broadcast_to(jnp.arange(lay.keep + 1 + T), (B, lay.keep + 1 + T)),
-                         fr)
-        rot = table.take(lay.pos[:, None])
-        rot = Rotation(lay.pos, *(None if x is None else x[:, 0] for x in rot[1:]))
+        # Each layer and KV head places its keys differently: their cos/sin rows are gathered
+        # from one table of positions 0..C+T-1 per forward (a row gather; cos and sin of every
+        # slot in every layer cost more than the rest of the decode step on CPU).
+        P = lay.keep + 1 + T
+        table = rotation(jnp.broadcast_to(jnp.arange(P), (B, P)), fr)
+
+        def rotate(pos):  # [B, KVH, L] -> Rotation with [B, KVH, L, r/2] tables
+            if table.cos is None:
+                return Rotation(pos)
+            rows = jax.vmap(lambda t, i: t[i])  # per batch row: [P, r/2][KVH, L]
+            return Rotation(pos, rows(table.cos, pos), rows(table.sin, pos))
+        rot = rotation(lay.pos, fr)
         return AttnPlan(rot, rot, lay.chunk_mask & _within_window(lay.pos, lay.pos, cfg),
-                        table=table)
+                        rotate=rotate)
     if lay is None:  # plain causal forward (causal in token order)
         pos = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
         rot = rotation(pos, fr)
@@ -307,7 +315,7 @@ def _scored_attention(q, k, v, layer_cache, lay: evict.Layout, plan: AttnPlan,
     err = jnp.where((lay.pos < S)[:, None, :, None], 0.0, err)  # sinks stay in full precision
 
     def cache_scores(keys, sc):
-        s = _part_scores(q, plan.q, keys, plan.table.take(sc.rank), cfg, int8_att)
+        s = _part_scores(q, plan.q, keys, plan.rotate(sc.rank), cfg, int8_att)
         ok = sc.rank >= 0  # [B, KVH, C1]
         if cfg.sliding_window:
             ok = ok & (lay.pos[:, None, :, None] - sc.rank[:, :, None, :] < cfg.sliding_window)

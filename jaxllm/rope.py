@@ -77,18 +77,6 @@ class Rotation(NamedTuple):
         """Positions ``start:stop`` of this set."""
         return Rotation(*(None if x is None else x[:, start:stop] for x in self))
 
-    def take(self, pos: Int[Array, "b n l"]) -> "Rotation":
-        """Per-head positions ``pos`` looked up in this table of positions 0..P-1 (a gather,
-        not a cos/sin per layer: score-based caches place each head's keys differently)."""
-        if self.cos is None:
-            return Rotation(pos)
-        idx = jnp.clip(pos, 0, self.pos.shape[1] - 1)
-        B, N, L = idx.shape
-        flat = idx.reshape(B, N * L, 1)
-        cos, sin = (jnp.take_along_axis(t, flat, axis=1).reshape(B, N, L, -1)
-                    for t in (self.cos, self.sin))
-        return Rotation(pos, cos, sin)
-
 
 def rotation(pos: Int[Array, "b l"], freq: Optional[Float[Array, "b r2"]],
              scale: float = 1.0) -> Rotation:

@@ -562,7 +562,9 @@ def add_eval(sub) -> None:
     for name, (hlp, own_args) in EVAL_TASKS.items():
         t = tasks.add_parser(name, help=hlp)
         t.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-        t.add_argument("--out", default=f"eval_out/{name}", help="writes OUT.json and OUT.png")
+        # (no hyphen in the default: argparse would wrap the help line there)
+        t.add_argument("--out", default=f"eval_out/{name.replace('-', '_')}",
+                       help="writes OUT.json and OUT.png")
         t.add_argument("--seed", type=int, default=0,
                        help="random seed (task content, sampled sequences)")
         t.add_argument("--quiet", action="store_true", help="no progress output")

@@ -315,9 +315,9 @@ def test_kv_shift_scores_are_attention_column_sums(tmp_path):
     e8, e3 = (_scores(params, cfg, ids, KVQuant("token", bits=b, group=0))[0][1] for b in (8, 3))
     assert (e8 <= e3 + 1e-6).all() and e3.mean() > 4 * e8.mean()
     out = tmp_path / "kv"
-    assert main(["eval", "kv-shift", "--model", "random:pythia-tiny", "--prompt-tokens", "64",
-                 "--stream-tokens", "64", "--bits", "4,3", "--out", str(out)]) == 0
+    assert main(["eval", "kv-shift", "--model", "random:pythia-tiny", "--prompt-tokens", "32",
+                 "--stream-tokens", "32", "--bits", "3", "--out", str(out)]) == 0
     import json
     rep = json.loads((tmp_path / "kv.json").read_text())
-    assert set(rep["h2o_ppl"]) == {"float", "4-bit", "3-bit"} and (tmp_path / "kv.png").exists()
+    assert set(rep["h2o_ppl"]) == {"float", "3-bit"} and (tmp_path / "kv.png").exists()
     assert all(0 <= r["overlap_3-bit"] <= 1 for r in rep["layers"])

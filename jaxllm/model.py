@@ -309,9 +309,11 @@ def _scored_attention(q, k, v, layer_cache, lay: evict.Layout, plan: AttnPlan,
     ck, cv, sc = layer_cache
     B, T = q.shape[:2]
     spec, S = lay.spec, lay.sinks
-    roundtrip = functools.partial(kvc.as_stored, ck)
-    err = jnp.stack([evict.token_error(k, roundtrip), evict.token_error(v, functools.partial(
-        kvc.as_stored, cv))], -1) if spec.uses_error else jnp.zeros(k.shape[:3] + (2,))
+    if spec.uses_error:  # Q-Hitter: what storing each key and value loses
+        err = jnp.stack([evict.token_error(x, functools.partial(kvc.as_stored, store))
+                         for x, store in ((k, ck), (v, cv))], -1)
+    else:
+        err = jnp.zeros(k.shape[:3] + (2,))
     err = jnp.where((lay.pos < S)[:, None, :, None], 0.0, err)  # sinks stay in full precision
 
     def cache_scores(keys, sc):

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import LLAMA, NEOX, backend_compiles
 from reference import NaiveEvictStream
 
@@ -109,6 +111,22 @@ def _one_eviction(acc, err, spec, S=0):
     out = evict.decode_update(sc, jnp.zeros((1, 1, 1, 1, C1)), jnp.array([C1 - 1]),
                               jnp.array([True]), spec, S)
     return int(np.flatnonzero(np.asarray(out.rank)[0, 0] < 0)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([-2.5, -0.0, 0.0, 1e-30, 0.25, 0.25, 3.0, 7.5]),
+                          st.booleans()), min_size=1, max_size=24),
+       st.integers(1, 24), st.floats(-4, 4, width=32))
+def test_top_mask_is_the_stable_top_k(entries, k, jitter):
+    """Q-Hitter's attention-only share: the k largest valid entries, ties to the lower index
+    (numpy's stable sort as the reference), negative values, zeros of either sign included."""
+    x = np.array([v if i % 3 else v + jitter for i, (v, _) in enumerate(entries)], np.float32)
+    valid = np.array([ok for _, ok in entries])
+    idx = np.flatnonzero(valid)
+    ref = np.zeros(len(x), bool)
+    ref[idx[np.argsort(-x[idx], kind="stable")[:k]]] = True
+    got = np.asarray(evict.top_mask(jnp.asarray(x)[None], jnp.asarray(valid)[None], k))[0]
+    np.testing.assert_array_equal(got, ref)
 
 
 def test_qhitter_prefers_a_quant_friendly_token_over_an_outlier():

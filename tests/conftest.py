@@ -11,6 +11,14 @@ if "--xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_gpu_deterministic_ops=true").strip()
 
+# One XLA compilation cache for the session and every process it starts (notebook kernels, CLI
+# and training subprocesses compile many of the programs the in-process tests already compiled).
+# A fresh directory per session: a clean clone starts cold, and nothing outlives the run's /tmp.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxllm-test-xla-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

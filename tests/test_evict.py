@@ -113,6 +113,9 @@ def _one_eviction(acc, err, spec, S=0):
     return int(np.flatnonzero(np.asarray(out.rank)[0, 0] < 0)[0])
 
 
+TOP_MASK = jax.jit(evict.top_mask)  # k traced too: one compilation for every example
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([-2.5, -0.0, 0.0, 1e-30, 0.25, 0.25, 3.0, 7.5]),
                           st.booleans()), min_size=1, max_size=24),
@@ -120,12 +123,14 @@ def _one_eviction(acc, err, spec, S=0):
 def test_top_mask_is_the_stable_top_k(entries, k, jitter):
     """Q-Hitter's attention-only share: the k largest valid entries, ties to the lower index
     (numpy's stable sort as the reference), negative values, zeros of either sign included."""
-    x = np.array([v if i % 3 else v + jitter for i, (v, _) in enumerate(entries)], np.float32)
-    valid = np.array([ok for _, ok in entries])
+    x = np.zeros(24, np.float32)
+    valid = np.zeros(24, bool)  # padded to one shape with invalid entries
+    for i, (v, ok) in enumerate(entries):
+        x[i], valid[i] = (v if i % 3 else v + jitter), ok
     idx = np.flatnonzero(valid)
     ref = np.zeros(len(x), bool)
     ref[idx[np.argsort(-x[idx], kind="stable")[:k]]] = True
-    got = np.asarray(evict.top_mask(jnp.asarray(x)[None], jnp.asarray(valid)[None], k))[0]
+    got = np.asarray(TOP_MASK(jnp.asarray(x)[None], jnp.asarray(valid)[None], k))[0]
     np.testing.assert_array_equal(got, ref)
 
 
@@ -318,7 +323,7 @@ def test_evict_config_errors():
 
 def test_kv_shift_scores_are_attention_column_sums(tmp_path):
     """kv-shift's float scores equal the column sums of the plain forward's attention (per KV
-    head); coarser codes lose more per token; the CLI writes its JSON and plot."""
+    head); the CLI writes its JSON and plot."""
     from jaxllm.cli import main
     from jaxllm.evals.kv_shift import _scores
     cfg, params = LLAMA, PARAMS["llama"]
@@ -330,8 +335,6 @@ def test_kv_shift_scores_are_attention_column_sums(tmp_path):
         probs = np.asarray(state["attention"][f"layer_{layer}"]["attn"]["probs"])[0]
         np.testing.assert_allclose(acc, probs.reshape(-1, G, 32, 32).sum((1, 2)), rtol=1e-5)
         assert not err.any()
-    e8, e3 = (_scores(params, cfg, ids, KVQuant("token", bits=b, group=0))[0][1] for b in (8, 3))
-    assert (e8 <= e3 + 1e-6).all() and e3.mean() > 4 * e8.mean()
     out = tmp_path / "kv"
     assert main(["eval", "kv-shift", "--model", "random:pythia-tiny", "--prompt-tokens", "32",
                  "--stream-tokens", "32", "--bits", "3", "--out", str(out)]) == 0

@@ -184,7 +184,7 @@ SHARDED = textwrap.dedent("""
         return losses, jax.device_get(state["params"]), state
 
     ref_losses, ref_params, _ = run(shd.make_mesh(devices=jax.devices()[:1]), cfg)
-    for data, fsdp, accum in [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 4, 2)]:
+    for data, fsdp, accum in [(1, 8, 1), (2, 4, 1), (2, 4, 2)]:
         c = cfg.override([f"grad_accum={accum}"])
         losses, params, state = run(shd.make_mesh(data, fsdp), c)
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
@@ -201,13 +201,14 @@ SHARDED = textwrap.dedent("""
 
 
 def test_sharded_step_equals_one_device():
-    """data 8, fsdp 8, data 2 x fsdp 4, and that with 2 accumulated micro-batches, each against
-    one device: 8 simulated CPU devices in one fresh process (the device count is fixed at JAX
-    start-up; one process for the four meshes shares the start-up and the reference run)."""
+    """fsdp 8, data 2 x fsdp 4, and that with 2 accumulated micro-batches, each against one
+    device: 8 simulated CPU devices in one fresh process (the device count is fixed at JAX
+    start-up; one process for the three meshes shares the start-up and the reference run). A
+    data-only mesh is left out: the 2 x 4 mesh runs the same data-axis code."""
     out = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True,
                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 4
+    assert out.stdout.count("ok") == 3
 
 
 # ---- resume and checkpoints -----------------------------------------------------------------

@@ -1,0 +1,184 @@
+"""Decode and prefill against this machine's limits, measured in one process.
+
+Decode is bound by the bytes a step must read: every weight once (the embedding table aside,
+which a step reads B rows of, unless it is also the tied head) and every K and V slot of the
+fixed-shape cache (StreamingLLM reads all slots each step, full or not). For each weight format
+(float32; bfloat16 weights, compute and KV cache; W8: int8 weights only; W8A8 O1: int8 weights
+and per-token int8 activations), each cache and batch, the table shows the step time, those
+bytes, the time the fastest of two read kernels takes over the same number of bytes in this
+process (a float32 sum and an Eigen matrix-vector product: the read ceiling) and the fraction of
+that ceiling the step reaches.
+
+Prefill (a plain forward of --prefill tokens, batch 1) is bound by the matrix units: the GEMM
+ceiling is the time of the model's own linear layers as bare dot products of the same shapes and
+dtype (int8 x int8 -> int32 for W8A8) in one jit; attention, norms and the rest are the gap.
+
+    python benchmarks/roofline.py                      # Pythia-160M shapes, random weights
+    python benchmarks/roofline.py --preset pythia-14m --caches 252 --batch 1 --no-record
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _record import record, time_decode  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxllm  # noqa: E402
+from jaxllm import smoothquant as sq  # noqa: E402
+from jaxllm.model import apply  # noqa: E402
+from jaxllm.policy import CachePolicy  # noqa: E402
+from jaxllm.quant import QKernel  # noqa: E402
+
+FORMATS = ("float32", "bfloat16", "w8", "w8a8")
+LABELS = {"float32": "float32", "bfloat16": "bfloat16", "w8": "W8 (int8 weights)",
+          "w8a8": "W8A8 O1"}
+
+
+def variant(name: str, cfg, params):
+    """(cfg, params, KV cache dtype) of one weight format."""
+    if name == "float32":
+        return cfg, params, jnp.float32
+    if name == "bfloat16":  # weights stored in bfloat16 too, so a step reads half the bytes
+        cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        return dataclasses.replace(cfg, dtype="bfloat16"), cast, jnp.bfloat16
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 4096)
+    scheme = {"w8": "w8", "w8a8": "o1"}[name]  # smoothing does not change the speed
+    q = sq.quantize(params, cfg, ids, scheme, smooth=False,
+                    calib=sq.CalibConfig(n_seqs=2, seq_len=64, batch=2))
+    return cfg, q, jnp.float32
+
+
+def weight_bytes(cfg, params) -> int:
+    """What one decode step reads of the weights: all of them but an untied embedding table."""
+    tree = dict(params)
+    if not cfg.tie_embeddings:
+        tree.pop("embed")
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _best_ms(fn, *args, n: int = 20) -> float:
+    """The fastest of ``n`` timed calls (compiled first): a ceiling, so the best is the bound."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def read_ceiling_ms(nbytes: int) -> float:
+    """The fastest read of ``nbytes`` in this process: a sum, or a matrix-vector product (Eigen,
+    which XLA runs on all cores) over a float32 buffer of that size."""
+    cols = 1024
+    rows = max(1, nbytes // 4 // cols)
+    buf = jnp.ones((rows, cols), jnp.float32)
+    vec = jnp.ones((cols,), jnp.float32)
+    ms = min(_best_ms(jax.jit(jnp.sum), buf), _best_ms(jax.jit(jnp.dot), buf, vec))
+    del buf
+    return ms
+
+
+def linear_shapes(params) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer (float [in, out] kernels; int8 ones are [out, in])."""
+    shapes = []
+
+    def visit(node, path):
+        if isinstance(node, dict):
+            if "kernel" in node:
+                k = node["kernel"]
+                shapes.append(tuple(k.q.shape[::-1]) if isinstance(k, QKernel) else
+                              tuple(k.shape))
+            for key, child in node.items():
+                visit(child, path + (key,))
+    visit(params, ())
+    return shapes
+
+
+def gemm_ceiling_ms(shapes, T: int, name: str) -> float:
+    """The model's linear layers as bare dot products of ``T`` rows, in the format's dtype."""
+    if name == "w8a8":
+        xs = [jnp.ones((T, i), jnp.int8) for i, _ in shapes]
+        ws = [jnp.ones((o, i), jnp.int8) for i, o in shapes]
+        dot = lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),  # noqa: E731
+                                               preferred_element_type=jnp.int32)
+    else:
+        dt = jnp.bfloat16 if name == "bfloat16" else jnp.float32
+        xs = [jnp.ones((T, i), dt) for i, _ in shapes]
+        ws = [jnp.ones((i, o), dt) for i, o in shapes]
+        dot = jnp.dot
+    fn = jax.jit(lambda xs, ws: [dot(x, w) for x, w in zip(xs, ws)])
+    return _best_ms(fn, xs, ws, n=5)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="pythia-160m")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="of " + ", ".join(FORMATS))
+    ap.add_argument("--caches", default="252,4092", help="window sizes (4 sinks each)")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps per timed round")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (the median is shown)")
+    ap.add_argument("--prefill", type=int, default=512, help="prefill tokens (batch 1)")
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args()
+    formats = [f for f in a.formats.split(",") if f]
+    for f in formats:
+        if f not in FORMATS:
+            ap.error(f"unknown format {f!r}; choose from {', '.join(FORMATS)}")
+    cfg0 = jaxllm.PRESETS[a.preset]
+    params0 = jaxllm.init_params(cfg0, jax.random.key(0))
+    dec = ["| format | cache | batch | ms/step | weights + KV read (MiB) | read ceiling (ms) | "
+           "of ceiling |", "|---|---|---:|---:|---:|---:|---:|"]
+    pre = ["| format | tokens | prefill ms | GEMM ceiling ms | of ceiling | GEMM GFLOP/s |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for name in formats:
+        cfg, params, kv_dtype = variant(name, cfg0, params0)
+        step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
+        wb = weight_bytes(cfg, params)
+        for W in [int(x) for x in a.caches.split(",")]:
+            pc = CachePolicy("streaming", 4, 4 + W)
+            for B in [int(x) for x in a.batch.split(",")]:
+                cache = pc.make_cache(cfg, B, 0, dtype=kv_dtype)
+                kvb = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
+                times = []
+                for _ in range(a.rounds):
+                    ms, cache = time_decode(step, params, cache, a.steps, warmup=1)
+                    times.append(ms)
+                del cache
+                ms = float(np.median(times))
+                ceil = read_ceiling_ms(wb + kvb)
+                dec.append(f"| {LABELS[name]} | {pc.label} | {B} | {ms:.1f} | "
+                           f"{wb / 2**20:.0f} + {kvb / 2**20:.0f} | {ceil:.1f} | "
+                           f"{ceil / ms:.0%} |")
+                print(dec[-1], flush=True)
+        T = a.prefill
+        toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, T)))
+        fwd = jax.jit(lambda p, t: apply(p, cfg, t)[0])
+        ms = _best_ms(fwd, params, toks, n=3)
+        shapes = linear_shapes(params)
+        gemm = gemm_ceiling_ms(shapes, T, name)
+        flops = 2 * T * sum(i * o for i, o in shapes)
+        pre.append(f"| {LABELS[name]} | {T} | {ms:.0f} | {gemm:.0f} | {gemm / ms:.0%} | "
+                   f"{flops / gemm / 1e6:.1f} |")
+        print(pre[-1], flush=True)
+    table = (f"Decode step ({a.preset} shapes, random weights, StreamingLLM cache, median of "
+             f"{a.rounds} rounds of {a.steps} steps):\n\n" + "\n".join(dec) +
+             f"\n\nPrefill ({T} tokens, batch 1, best of 3):\n\n" + "\n".join(pre))
+    record(f"Roofline: decode and prefill against this machine's limits ({a.preset})", table,
+           dry=a.no_record)
+
+
+if __name__ == "__main__":
+    main()

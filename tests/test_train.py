@@ -12,7 +12,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from train import recipe, train

@@ -13,10 +13,12 @@ if "--xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
 
 # One XLA compilation cache for the session and every process it starts (notebook kernels, CLI
 # and training subprocesses compile many of the programs the in-process tests already compiled).
-# A fresh directory per session: a clean clone starts cold, and nothing outlives the run's /tmp.
+# A fresh directory per session (a clean clone starts cold), removed when the session ends.
+_XLA_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxllm-test-xla-")
+    _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+        prefix="jaxllm-test-xla-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
@@ -36,6 +38,12 @@ LLAMA = jaxllm.ModelConfig.llama(vocab_size=64, hidden_size=32, num_layers=2, nu
 def model(request):
     cfg = NEOX if request.param == "neox" else LLAMA
     return cfg, jaxllm.init_params(cfg, jax.random.key(0))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _XLA_CACHE:
+        import shutil
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -93,15 +93,15 @@ def linear_shapes(params) -> list[tuple[int, int]]:
     """(in, out) of every linear layer (float [in, out] kernels; int8 ones are [out, in])."""
     shapes = []
 
-    def visit(node, path):
+    def visit(node):
         if isinstance(node, dict):
             if "kernel" in node:
                 k = node["kernel"]
                 shapes.append(tuple(k.q.shape[::-1]) if isinstance(k, QKernel) else
                               tuple(k.shape))
-            for key, child in node.items():
-                visit(child, path + (key,))
-    visit(params, ())
+            for child in node.values():
+                visit(child)
+    visit(params)
     return shapes
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int, Int8
@@ -103,10 +104,8 @@ def act_scale_of(x: Array, k: QKernel) -> Array:
 def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Array, "... o"]:
     """x @ W for a quantized W (stored [out, in]), by the node's activation mode and real/fake
     setting. Scales are per output channel or per tensor."""
-    scale = k.scale[:, None] if k.scale.ndim else k.scale  # broadcast over [out, in]
     if k.act == "none":  # weight-only: the int8 weight is dequantized next to the matmul
-        w = k.q.astype(dtype) * scale.astype(dtype)
-        return jnp.einsum("...i,oi->...o", x.astype(dtype), w)
+        return weight_only_matmul(x, k.q, k.scale, dtype)
     sx = act_scale_of(x, k)
     xq = quantize(x, sx)
     if k.real:  # eq. 2: the scales are applied to the int32 product (outer dims only)
@@ -120,6 +119,42 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
     # real and fake modes differ only by float rounding.
     acc = jnp.einsum("...i,oi->...o", xq.astype(jnp.float32), k.q.astype(jnp.float32))
     return (acc * sx * k.scale).astype(dtype)
+
+
+# Rows of a dequantized weight block: 256 KiB of float32 at a 768-wide input, so the block stays in
+# L2 between its conversion and its product.
+BLOCK_ELEMS = 1 << 16
+
+
+def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: Float[Array, "..."],
+                       dtype=jnp.float32) -> Float[Array, "... o"]:
+    """x @ (q · scale)ᵀ for weight-only int8 (W8): ``(x @ qᵀ) · scale``, the per-channel or
+    per-tensor scale applied to the product (an outer dimension, as eq. 2).
+
+    On CPU the product runs over blocks of output rows in a loop, each block converted to float
+    next to its product. XLA:CPU cannot read int8 inside a dot, so the plain form writes the
+    whole dequantized weight to new memory on every call; on a machine without transparent huge
+    pages that is page faults at about 2.5 GB/s, and made W8 decode 7x slower than float32
+    (docs/BENCHMARKS.md). Elsewhere XLA fuses the conversion into the dot's operand.
+    """
+    lead, (n_out, n_in) = x.shape[:-1], q.shape
+    x2 = x.reshape(-1, n_in).astype(dtype)
+    rows = max(8, BLOCK_ELEMS // n_in // 8 * 8)
+    if jax.default_backend() != "cpu" or n_out <= rows:
+        y = jnp.einsum("mi,oi->mo", x2, q.astype(dtype))
+    else:
+        n_blocks = n_out // rows
+
+        def block(j, y):
+            qj = jax.lax.dynamic_slice_in_dim(q, j * rows, rows, 0)
+            return jax.lax.dynamic_update_slice_in_dim(
+                y, jnp.einsum("mi,oi->mo", x2, qj.astype(dtype)), j * rows, 1)
+
+        y = jax.lax.fori_loop(0, n_blocks, block, jnp.zeros((x2.shape[0], n_out), dtype))
+        if n_out % rows:  # the last rows, a static block of their own
+            tail = n_blocks * rows
+            y = y.at[:, tail:].set(jnp.einsum("mi,oi->mo", x2, q[tail:].astype(dtype)))
+    return (y * scale.astype(dtype)).reshape(*lead, n_out)
 
 
 # ---- attention BMMs -----------------------------------------------------------------------------

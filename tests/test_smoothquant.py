@@ -105,6 +105,24 @@ def test_int8_matmul_is_exact_and_epilogue_is_eq2(m, k, n):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("lead,n_in,n_out,per_channel", [((1,), 64, 2500, True),
+                                                          ((2, 3), 64, 2048, False),
+                                                          ((5,), 96, 40, True)])
+def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_channel):
+    """W8 (act 'none') = x @ (q·s)ᵀ in float64, whatever the blocking: 2,500 rows are two full
+    1,024-row blocks and a tail, 2,048 exactly two, 40 a single plain product."""
+    rng = np.random.default_rng(n_out)
+    x = rng.normal(size=(*lead, n_in)).astype(np.float32)
+    w = rng.normal(size=(n_in, n_out)).astype(np.float32)
+    k = quant.quantize_weight(jnp.asarray(w), per_channel, "none")
+    deq = np.asarray(k.q, np.float64) * (np.asarray(k.scale, np.float64)[:, None]
+                                         if per_channel else float(k.scale))
+    want = x.astype(np.float64) @ deq.T
+    got = quant.qmatmul(jnp.asarray(x), k)
+    assert got.shape == (*lead, n_out)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def outlier_model():
     # weights 5x the init scale so activations and logits are O(1), then outlier channels

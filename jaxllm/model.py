@@ -15,7 +15,7 @@ from . import cache as kvc
 from . import evict
 from .config import ModelConfig
 from .policy import check_positions
-from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
+from .quant import QAttention, QKernel, absmax_scale, computed_once, pv, qk_scores, qmatmul
 from .rope import Rotation, apply_rope, inv_freq
 from .rope import rotation as _rotation
 
@@ -178,14 +178,6 @@ def _within_window(q_pos, k_pos, cfg: ModelConfig):
     return q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window  # [B, T, L]
 
 
-def _computed_once(x):
-    """``x``, materialised as one array. XLA:CPU fuses elementwise producers, cos and sin
-    included, into each consumer, a gather among them, where they are then evaluated per
-    gathered element (per layer, per key element: 2.5x the H2O decode step at 4,096 slots). It
-    drops optimization barriers before fusion, but never fuses a reduction into a consumer."""
-    return jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
-
-
 class AttnPlan(NamedTuple):
     """Where every query and key of a forward sits: in-cache positions with their RoPE tables,
     and the mask over [sink keys | other keys]. Computed once per forward, shared by all layers.
@@ -217,7 +209,7 @@ def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, 
         P = lay.keep + 1 + T
         table = rotation(jnp.broadcast_to(jnp.arange(P), (B, P)), fr)
         if table.cos is not None:
-            table = Rotation(table.pos, _computed_once(table.cos), _computed_once(table.sin))
+            table = Rotation(table.pos, computed_once(table.cos), computed_once(table.sin))
 
         def rotate(pos):  # [B, KVH, L] -> Rotation with [B, KVH, L, r/2] tables
             if table.cos is None:

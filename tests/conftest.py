@@ -10,6 +10,13 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 if "--xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_gpu_deterministic_ops=true").strip()
+# The suite's CPU time is mostly XLA compiling tiny programs (hundreds of configs, caches and
+# shapes), and half of a compile is LLVM optimising code that then runs for milliseconds. Level 0
+# keeps every HLO pass (fusion, layouts: what the programs compute) and skips LLVM's
+# optimisations: the sink-token notebook's run takes 43 s of CPU instead of 85. Benchmarks and
+# users keep XLA's default. Set XLA_FLAGS with its own --xla_backend_optimization_level to override.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # One XLA compilation cache for the session and every process it starts (notebook kernels, CLI
 # and training subprocesses compile many of the programs the in-process tests already compiled).

@@ -1,6 +1,6 @@
 """Converters against transformers itself: random-weight HF models of every family and variant,
-converted (from a saved directory, as users do, without torch), must give the same logits and the
-same 32 greedy tokens; streamed with sinks they must match transformers recomputing on the kept
+converted (from a saved directory, as users do, without torch), must give the same logits and
+(one variant per family and each special case) the same 32 greedy tokens; streamed with sinks they must match transformers recomputing on the kept
 tokens; the round trip through to_hf must be exact."""
 import dataclasses
 import json
@@ -62,6 +62,12 @@ VARIANTS = {
                                                 word_embed_proj_dim=32)),
 }
 STREAMABLE = [k for k in VARIANTS if not k.startswith("opt")]
+# 32 greedy tokens against transformers' generate (a compile of jaxllm's generate and a torch
+# decode each) for one variant of each family and every special case; the others' cached path
+# is checked against transformers by the streaming test below, and their logits here.
+GREEDY = {"neox-parallel-rot0.25", "neox-sequential-rot0.5-tied", "llama-kv1",
+          "llama-rope-dynamic", "llama3-rope", "mistral-window8", "falcon-new-kv2",
+          "mpt-6heads-clip", "opt-prenorm", "opt-postnorm-project"}
 
 
 def build_hf(name: str, **over):
@@ -111,6 +117,8 @@ def test_logits_and_greedy_match_transformers(name, saved):
     assert cfg.family == model.config.model_type
     ours, _ = jaxllm.forward(params, cfg, TOKENS)
     np.testing.assert_allclose(ours, hf_logits(model, TOKENS), atol=1e-4, rtol=0)
+    if name not in GREEDY:
+        return
 
     prompt = TOKENS[:1, :12]
     if "dynamic" in name:

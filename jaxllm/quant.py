@@ -133,6 +133,7 @@ def computed_once(x: Array) -> Array:
 # Rows of a dequantized weight block: 256 KiB of float32 at a 768-wide input, so the block stays in
 # L2 between its conversion and its product.
 BLOCK_ELEMS = 1 << 16
+MANY_ROWS = 64
 
 
 def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: Float[Array, "..."],
@@ -149,7 +150,9 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: F
     lead, (n_out, n_in) = x.shape[:-1], q.shape
     x2 = x.reshape(-1, n_in).astype(dtype)
     rows = max(8, BLOCK_ELEMS // n_in // 8 * 8)
-    if jax.default_backend() != "cpu" or n_out <= rows:
+    if jax.default_backend() != "cpu" or n_out <= rows or x2.shape[0] >= MANY_ROWS:
+        # Many rows (prefill) amortise one float copy of the weight over a large GEMM, which
+        # runs faster whole than in blocks.
         y = jnp.einsum("mi,oi->mo", x2, q.astype(dtype))
     elif x2.shape[0] == 1:
         # One row (batch-1 decode): XLA:CPU emits a vector-matrix product as a loop fusion that

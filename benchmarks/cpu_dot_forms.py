@@ -57,6 +57,7 @@ def child() -> None:
         x = jnp.asarray(rng.standard_normal((1, n_in)), jnp.float32)
         w = jnp.asarray(rng.standard_normal((n_in, n_out)), jnp.float32)
         wb = w.astype(jnp.bfloat16)
+        wb_t = jnp.asarray(np.asarray(w).T, jnp.bfloat16)  # [out, in], as QKernel stores int8
         q = jnp.asarray(rng.integers(-127, 128, (n_out, n_in)), jnp.int8)  # [out, in], as stored
         s = jnp.asarray(rng.random(n_out) / 127, jnp.float32)
         xq = jnp.asarray(rng.integers(-127, 128, (3, n_in)), jnp.int8)
@@ -66,7 +67,7 @@ def child() -> None:
             "bfloat16 [in, out] converted, float32 dot": (
                 lambda x, w: x @ w.astype(jnp.float32), x, wb),
             "bfloat16 [out, in] converted, x @ w.T": (
-                lambda x, w: x @ w.astype(jnp.float32).T, x, jnp.asarray(np.asarray(w).T, jnp.bfloat16)),
+                lambda x, w: x @ w.astype(jnp.float32).T, x, wb_t),
             "int8 dequantized whole, einsum (W8 before)": (
                 lambda x, q, s: jnp.einsum("mi,oi->mo", x, q.astype(jnp.float32) * s[:, None]),
                 x, q, s),

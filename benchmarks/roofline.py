@@ -139,33 +139,42 @@ def main():
             ap.error(f"unknown format {f!r}; choose from {', '.join(FORMATS)}")
     cfg0 = jaxllm.PRESETS[a.preset]
     params0 = jaxllm.init_params(cfg0, jax.random.key(0))
-    dec = ["| format | cache | batch | ms/step | weights + KV read (MiB) | read ceiling (ms) | "
-           "of ceiling |", "|---|---|---:|---:|---:|---:|---:|"]
+    dec = ["| format | cache | batch | ms/step | speed vs float32 | weights + KV read (MiB) | "
+           "read ceiling (ms) | of ceiling |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     pre = ["| format | tokens | prefill ms | GEMM ceiling ms | of ceiling | GEMM GFLOP/s |",
            "|---|---:|---:|---:|---:|---:|"]
-    for name in formats:
-        cfg, params, kv_dtype = variant(name, cfg0, params0)
-        step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
-        wb = weight_bytes(cfg, params)
-        for W in [int(x) for x in a.caches.split(",")]:
-            pc = CachePolicy("streaming", 4, 4 + W)
-            for B in [int(x) for x in a.batch.split(",")]:
-                cache = pc.make_cache(cfg, B, 0, dtype=kv_dtype)
-                kvb = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
-                times = []
-                for _ in range(a.rounds):
-                    ms, cache = time_decode(step, params, cache, a.steps, warmup=1)
-                    times.append(ms)
-                del cache
-                ms = float(np.median(times))
-                ceil = read_ceiling_ms(wb + kvb)
-                dec.append(f"| {LABELS[name]} | {pc.label} | {B} | {ms:.1f} | "
-                           f"{wb / 2**20:.0f} + {kvb / 2**20:.0f} | {ceil:.1f} | "
+    models = {name: variant(name, cfg0, params0) for name in formats}
+    steps = {name: jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
+             for name, (cfg, _, _) in models.items()}
+    for W in [int(x) for x in a.caches.split(",")]:
+        pc = CachePolicy("streaming", 4, 4 + W)
+        for B in [int(x) for x in a.batch.split(",")]:
+            # Every format's rounds alternate, so a machine slowing down mid-run (a shared one
+            # does) shifts all of them alike and the ratios between formats hold.
+            caches = {n: pc.make_cache(m[0], B, 0, dtype=m[2]) for n, m in models.items()}
+            kvb = {n: sum(x.nbytes for x in jax.tree.leaves((c.k, c.v)))
+                   for n, c in caches.items()}
+            times = {n: [] for n in models}
+            for r in range(a.rounds + 1):  # round 0 compiles and warms up
+                for n, (_, params, _) in models.items():
+                    ms, caches[n] = time_decode(steps[n], params, caches[n], a.steps, warmup=1)
+                    if r:
+                        times[n].append(ms)
+            del caches
+            for n, (cfg, params, _) in models.items():
+                wb = weight_bytes(cfg, params)
+                ms = float(np.median(times[n]))
+                ceil = read_ceiling_ms(wb + kvb[n])
+                vs = (f"{np.median(times['float32']) / ms:.2f}x" if "float32" in times
+                      else "-")
+                dec.append(f"| {LABELS[n]} | {pc.label} | {B} | {ms:.1f} | {vs} | "
+                           f"{wb / 2**20:.0f} + {kvb[n] / 2**20:.0f} | {ceil:.1f} | "
                            f"{ceil / ms:.0%} |")
                 print(dec[-1], flush=True)
-        T = a.prefill
+    T = a.prefill
+    for name, (cfg, params, _) in models.items():
         toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, T)))
-        fwd = jax.jit(lambda p, t: apply(p, cfg, t)[0])
+        fwd = jax.jit(lambda p, t, cfg=cfg: apply(p, cfg, t)[0])
         ms = _best_ms(fwd, params, toks, n=3)
         shapes = linear_shapes(params)
         gemm = gemm_ceiling_ms(shapes, T, name)
@@ -174,7 +183,8 @@ def main():
                    f"{flops / gemm / 1e6:.1f} |")
         print(pre[-1], flush=True)
     table = (f"Decode step ({a.preset} shapes, random weights, StreamingLLM cache, median of "
-             f"{a.rounds} rounds of {a.steps} steps):\n\n" + "\n".join(dec) +
+             f"{a.rounds} rounds of {a.steps} steps, the formats' rounds interleaved; speed: "
+             f"float32's time over the format's):\n\n" + "\n".join(dec) +
              f"\n\nPrefill ({T} tokens, batch 1, best of 3):\n\n" + "\n".join(pre))
     record(f"Roofline: decode and prefill against this machine's limits ({a.preset})", table,
            dry=a.no_record)

@@ -1,7 +1,8 @@
 """Converters against transformers itself: random-weight HF models of every family and variant,
 converted (from a saved directory, as users do, without torch), must give the same logits and
-(one variant per family and each special case) the same 32 greedy tokens; streamed with sinks they must match transformers recomputing on the kept
-tokens; the round trip through to_hf must be exact."""
+(one variant per family and each special case) the same 32 greedy tokens; streamed with sinks
+they must match transformers recomputing on the kept tokens; the round trip through to_hf must
+be exact."""
 import dataclasses
 import json
 import os

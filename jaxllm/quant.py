@@ -141,16 +141,21 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: F
     """x @ (q · scale)ᵀ for weight-only int8 (W8): ``(x @ qᵀ) · scale``, the per-channel or
     per-tensor scale applied to the product (an outer dimension, as eq. 2).
 
-    On CPU the product runs over blocks of output rows in a loop, each block converted to float
-    next to its product. XLA:CPU cannot read int8 inside a dot, so the plain form writes the
-    whole dequantized weight to new memory on every call; on a machine without transparent huge
-    pages that is page faults at about 2.5 GB/s, and made W8 decode 7x slower than float32
-    (docs/BENCHMARKS.md). Elsewhere XLA fuses the conversion into the dot's operand.
+    The plain form, a dot of x with the converted weight, makes XLA:CPU write the whole float
+    weight to new memory on every call: on a machine without transparent huge pages that is page
+    faults at about 2.5 GB/s, and made W8 decode 7x slower than float32 (docs/BENCHMARKS.md).
+    On CPU, so, one row takes a fused vector-matrix form, a few rows run over blocks of output
+    rows, and only many rows (prefill) convert the weight whole; the products are float32 there
+    (a bfloat16 ``dtype`` rounds the input and the result: XLA:CPU computes bf16 dots in float32
+    too). Elsewhere XLA fuses the conversion into the dot's operand.
     """
     lead, (n_out, n_in) = x.shape[:-1], q.shape
+    cpu = jax.default_backend() == "cpu"
     x2 = x.reshape(-1, n_in).astype(dtype)
+    out_dtype, dtype = dtype, (jnp.float32 if cpu else dtype)
+    x2 = x2.astype(dtype)
     rows = max(8, BLOCK_ELEMS // n_in // 8 * 8)
-    if jax.default_backend() != "cpu" or n_out <= rows or x2.shape[0] >= MANY_ROWS:
+    if not cpu or n_out <= rows or x2.shape[0] >= MANY_ROWS:
         # Many rows (prefill) amortise one float copy of the weight over a large GEMM, which
         # runs faster whole than in blocks.
         y = jnp.einsum("mi,oi->mo", x2, q.astype(dtype))
@@ -174,7 +179,7 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: F
         if n_out % rows:  # the last rows, a static block of their own
             tail = n_blocks * rows
             y = y.at[:, tail:].set(jnp.einsum("mi,oi->mo", x2, q[tail:].astype(dtype)))
-    return (y * scale.astype(dtype)).reshape(*lead, n_out)
+    return (y * scale.astype(dtype)).astype(out_dtype).reshape(*lead, n_out)
 
 
 # ---- attention BMMs -----------------------------------------------------------------------------

@@ -124,6 +124,12 @@ def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_chan
     got = quant.qmatmul(jnp.asarray(x), k)
     assert got.shape == (*lead, n_out)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    # bfloat16 compute: the input and the result rounded to bfloat16, nothing else
+    x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+    got16 = quant.qmatmul(jnp.asarray(x), k, jnp.bfloat16)
+    assert got16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got16, np.float64), x16 @ deq.T, rtol=2 ** -8,
+                               atol=1e-2)
 
 
 @pytest.fixture(scope="module")

@@ -40,14 +40,8 @@ def child() -> None:
 
     from jaxllm.quant import weight_only_matmul
 
-    def best_ms(fn, *args, n=20):
-        jax.block_until_ready(fn(*args))
-        t_best = float("inf")
-        for _ in range(n):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            t_best = min(t_best, time.perf_counter() - t)
-        return t_best * 1e3
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _record import best_ms
 
     rng = np.random.default_rng(0)
     nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),  # noqa: E731

@@ -23,12 +23,11 @@ import dataclasses
 import functools
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _record import record, time_decode  # noqa: E402
+from _record import best_ms, record, time_decode  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -66,17 +65,6 @@ def weight_bytes(cfg, params) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def _best_ms(fn, *args, n: int = 20) -> float:
-    """The fastest of ``n`` timed calls (compiled first): a ceiling, so the best is the bound."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
-
-
 def read_ceiling_ms(nbytes: int) -> float:
     """The fastest read of ``nbytes`` in this process: a sum, or a matrix-vector product (Eigen,
     which XLA runs on all cores) over a float32 buffer of that size."""
@@ -84,7 +72,7 @@ def read_ceiling_ms(nbytes: int) -> float:
     rows = max(1, nbytes // 4 // cols)
     buf = jnp.ones((rows, cols), jnp.float32)
     vec = jnp.ones((cols,), jnp.float32)
-    ms = min(_best_ms(jax.jit(jnp.sum), buf), _best_ms(jax.jit(jnp.dot), buf, vec))
+    ms = min(best_ms(jax.jit(jnp.sum), buf), best_ms(jax.jit(jnp.dot), buf, vec))
     del buf
     return ms
 
@@ -118,7 +106,7 @@ def gemm_ceiling_ms(shapes, T: int, name: str) -> float:
         ws = [jnp.ones((i, o), dt) for i, o in shapes]
         dot = jnp.dot
     fn = jax.jit(lambda xs, ws: [dot(x, w) for x, w in zip(xs, ws)])
-    return _best_ms(fn, xs, ws, n=5)
+    return best_ms(fn, xs, ws, n=5)
 
 
 def main():
@@ -175,7 +163,7 @@ def main():
     for name, (cfg, params, _) in models.items():
         toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, T)))
         fwd = jax.jit(lambda p, t, cfg=cfg: apply(p, cfg, t)[0])
-        ms = _best_ms(fwd, params, toks, n=3)
+        ms = best_ms(fwd, params, toks, n=3)
         shapes = linear_shapes(params)
         gemm = gemm_ceiling_ms(shapes, T, name)
         flops = 2 * T * sum(i * o for i, o in shapes)

@@ -133,7 +133,8 @@ def computed_once(x: Array) -> Array:
 # Rows of a dequantized weight block: 256 KiB of float32 at a 768-wide input, so the block stays in
 # L2 between its conversion and its product.
 BLOCK_ELEMS = 1 << 16
-MANY_ROWS = 64
+FUSED_ROWS = 8  # up to this many rows: one fused vector-matrix product per row
+MANY_ROWS = 64  # from this many: one float copy of the weight, one GEMM
 
 
 def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: Float[Array, "..."],
@@ -144,7 +145,7 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: F
     The plain form, a dot of x with the converted weight, makes XLA:CPU write the whole float
     weight to new memory on every call: on a machine without transparent huge pages that is page
     faults at about 2.5 GB/s, and made W8 decode 7x slower than float32 (docs/BENCHMARKS.md).
-    On CPU, so, one row takes a fused vector-matrix form, a few rows run over blocks of output
+    On CPU, so, up to 8 rows take a fused vector-matrix form each, more run over blocks of output
     rows, and only many rows (prefill) convert the weight whole; the products are float32 there
     (a bfloat16 ``dtype`` rounds the input and the result: XLA:CPU computes bf16 dots in float32
     too). Elsewhere XLA fuses the conversion into the dot's operand.
@@ -159,14 +160,16 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: F
         # Many rows (prefill) amortise one float copy of the weight over a large GEMM, which
         # runs faster whole than in blocks.
         y = jnp.einsum("mi,oi->mo", x2, q.astype(dtype))
-    elif x2.shape[0] == 1:
-        # One row (batch-1 decode): XLA:CPU emits a vector-matrix product as a loop fusion that
-        # takes the conversion of the [out, in] weight in, so it reads int8 and never writes the
-        # float weight (pythia-160M's head: 2.2 ms, against 8.2 for float32 and 90 for the
-        # einsum form). It does this for this form only: the transposed operand.
-        # Its input is materialised first, or the LayerNorm before it would be fused in too and
+    elif x2.shape[0] <= FUSED_ROWS:
+        # A few rows (decode): XLA:CPU emits a vector-matrix product as a loop fusion that takes
+        # the conversion of the [out, in] weight in, so it reads int8 and never writes the float
+        # weight (pythia-160M's head: 2.2 ms, against 8.2 for float32 and 90 for the einsum
+        # form). It does this for one row and this form only, so each row is its own product:
+        # up to 8 rows that beats float32's GEMM (head, 8 rows: 24 against 30 ms), 16 do not.
+        # Each input is materialised first, or the LayerNorm before it would be fused in too and
         # recomputed for every output.
-        y = computed_once(x2) @ q.astype(dtype).T
+        w = q.astype(dtype).T
+        y = jnp.concatenate([computed_once(x2[r:r + 1]) @ w for r in range(x2.shape[0])])
     else:
         n_blocks = n_out // rows
 

@@ -105,15 +105,16 @@ def test_int8_matmul_is_exact_and_epilogue_is_eq2(m, k, n):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("lead,n_in,n_out,per_channel", [((3,), 64, 2500, True),
-                                                          ((2, 3), 64, 2048, False),
+@pytest.mark.parametrize("lead,n_in,n_out,per_channel", [((12,), 64, 2500, True),
+                                                          ((2, 6), 64, 2048, False),
                                                           ((1, 1), 64, 2500, True),
+                                                          ((3,), 64, 2500, False),
                                                           ((80,), 64, 2500, False),
                                                           ((5,), 96, 40, True)])
 def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_channel):
-    """W8 (act 'none') = x @ (q·s)ᵀ in float64, whatever the form: on CPU 2,500 outputs are two
-    full 1,024-row blocks and a tail, 2,048 exactly two, one input row the vector-matrix
-    product, 80 rows (prefill) or 40 outputs a single plain product."""
+    """W8 (act 'none') = x @ (q·s)ᵀ in float64, whatever the form: on CPU, 12 input rows and
+    2,500 outputs are two full 1,024-row blocks and a tail, 2,048 outputs exactly two; one or
+    three rows are vector-matrix products; 80 rows (prefill) or 40 outputs one plain product."""
     rng = np.random.default_rng(n_out)
     x = rng.normal(size=(*lead, n_in)).astype(np.float32)
     w = rng.normal(size=(n_in, n_out)).astype(np.float32)

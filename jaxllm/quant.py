@@ -19,7 +19,7 @@ from flax import struct
 from jaxtyping import Array, Float, Int, Int8
 
 import pallas_kernels
-from pallas_kernels.reference import QMAX
+from pallas_kernels.reference import QMAX, computed_once
 
 from . import tree
 
@@ -119,15 +119,6 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
     # real and fake modes differ only by float rounding.
     acc = jnp.einsum("...i,oi->...o", xq.astype(jnp.float32), k.q.astype(jnp.float32))
     return (acc * sx * k.scale).astype(dtype)
-
-
-def computed_once(x: Array) -> Array:
-    """``x``, materialised as one array. XLA:CPU fuses elementwise producers into each consumer,
-    where they are then evaluated per consumed element: cos and sin per gathered key element (per
-    layer: 2.5x the H2O decode step at 4,096 slots), a LayerNorm per weight element of a
-    vector-matrix product. It drops optimization barriers before fusion, but never fuses a
-    reduction into a consumer."""
-    return jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
 
 
 # Rows of a dequantized weight block: 256 KiB of float32 at a 768-wide input, so the block stays in

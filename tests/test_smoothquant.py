@@ -12,6 +12,7 @@ from conftest import LLAMA, NEOX
 import jaxllm
 from jaxllm import quant, tree
 from jaxllm import smoothquant as sq
+from pallas_kernels.reference import EXACT_F32_K
 
 CC = sq.CalibConfig(n_seqs=8, seq_len=64, heldout_seqs=2)
 RNG = np.random.default_rng(0)
@@ -103,6 +104,21 @@ def test_int8_matmul_is_exact_and_epilogue_is_eq2(m, k, n):
     want = (xb.astype(np.int64) @ wb.astype(np.int64)) * sx * sw
     got = quant.qmatmul(jnp.asarray(x), quant.quantize_weight(jnp.asarray(w), True, "token"))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [EXACT_F32_K, EXACT_F32_K + 1])
+def test_one_row_int8_product_is_exact_at_the_float32_bound(k):
+    """One row on CPU is summed in float32, exact while K <= 1024: the extreme row (every product
+    128^2, the sum 2^24 at K = 1024), a mixed one and one a unit off; K = 1025 goes the int32
+    way. Against numpy's int64 product."""
+    x = np.full((1, k), -128, np.int8)
+    w = np.full((4, k), -128, np.int8)
+    w[1] = 127
+    w[2, ::2] = 127
+    w[3, 0] = -127
+    want = x.astype(np.int64) @ w.T.astype(np.int64)
+    np.testing.assert_array_equal(np.asarray(quant.int8_matmul(x, w)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.int8_matmul)(x, w)), want)
 
 
 @pytest.mark.parametrize("lead,n_in,n_out,per_channel", [((12,), 64, 2500, True),

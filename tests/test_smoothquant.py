@@ -110,15 +110,20 @@ def test_int8_matmul_is_exact_and_epilogue_is_eq2(m, k, n):
 def test_one_row_int8_product_is_exact_at_the_float32_bound(k):
     """One row on CPU is summed in float32, exact while K <= 1024: the extreme row (every product
     128^2, the sum 2^24 at K = 1024), a mixed one and one a unit off; K = 1025 goes the int32
-    way. Against numpy's int64 product."""
+    way, which the last row checks: there its sum is 2^24 + 1, which float32 cannot hold.
+    Against numpy's int64 product."""
     x = np.full((1, k), -128, np.int8)
-    w = np.full((4, k), -128, np.int8)
+    x[0, -1] = 1
+    w = np.full((5, k), -128, np.int8)
     w[1] = 127
     w[2, ::2] = 127
     w[3, 0] = -127
+    w[4, -1] = 1
     want = x.astype(np.int64) @ w.T.astype(np.int64)
     np.testing.assert_array_equal(np.asarray(quant.int8_matmul(x, w)), want)
     np.testing.assert_array_equal(np.asarray(jax.jit(quant.int8_matmul)(x, w)), want)
+    if k > EXACT_F32_K:
+        assert want[0, 4] == 2 ** 24 + 1
 
 
 @pytest.mark.parametrize("lead,n_in,n_out,per_channel", [((12,), 64, 2500, True),

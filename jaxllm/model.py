@@ -11,11 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.reference import computed_once
+
 from . import cache as kvc
 from . import evict
 from .config import ModelConfig
 from .policy import check_positions
-from .quant import QAttention, QKernel, absmax_scale, computed_once, pv, qk_scores, qmatmul
+from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
 from .rope import Rotation, apply_rope, inv_freq
 from .rope import rotation as _rotation
 

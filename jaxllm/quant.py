@@ -143,14 +143,13 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: F
     """
     lead, (n_out, n_in) = x.shape[:-1], q.shape
     cpu = jax.default_backend() == "cpu"
-    x2 = x.reshape(-1, n_in).astype(dtype)
-    out_dtype, dtype = dtype, (jnp.float32 if cpu else dtype)
-    x2 = x2.astype(dtype)
+    compute = jnp.float32 if cpu else dtype
+    x2 = x.reshape(-1, n_in).astype(dtype).astype(compute)  # rounded to dtype, then widened
     rows = max(8, BLOCK_ELEMS // n_in // 8 * 8)
     if not cpu or n_out <= rows or x2.shape[0] >= MANY_ROWS:
         # Many rows (prefill) amortise one float copy of the weight over a large GEMM, which
         # runs faster whole than in blocks.
-        y = jnp.einsum("mi,oi->mo", x2, q.astype(dtype))
+        y = jnp.einsum("mi,oi->mo", x2, q.astype(compute))
     elif x2.shape[0] <= FUSED_ROWS:
         # A few rows (decode): XLA:CPU emits a vector-matrix product as a loop fusion that takes
         # the conversion of the [out, in] weight in, so it reads int8 and never writes the float
@@ -159,7 +158,7 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: F
         # up to 8 rows that beats float32's GEMM (head, 8 rows: 24 against 30 ms), 16 do not.
         # Each input is materialised first, or the LayerNorm before it would be fused in too and
         # recomputed for every output.
-        w = q.astype(dtype).T
+        w = q.astype(compute).T
         y = jnp.concatenate([computed_once(x2[r:r + 1]) @ w for r in range(x2.shape[0])])
     else:
         n_blocks = n_out // rows
@@ -167,13 +166,13 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: F
         def block(j, y):
             qj = jax.lax.dynamic_slice_in_dim(q, j * rows, rows, 0)
             return jax.lax.dynamic_update_slice_in_dim(
-                y, jnp.einsum("mi,oi->mo", x2, qj.astype(dtype)), j * rows, 1)
+                y, jnp.einsum("mi,oi->mo", x2, qj.astype(compute)), j * rows, 1)
 
-        y = jax.lax.fori_loop(0, n_blocks, block, jnp.zeros((x2.shape[0], n_out), dtype))
+        y = jax.lax.fori_loop(0, n_blocks, block, jnp.zeros((x2.shape[0], n_out), compute))
         if n_out % rows:  # the last rows, a static block of their own
             tail = n_blocks * rows
-            y = y.at[:, tail:].set(jnp.einsum("mi,oi->mo", x2, q[tail:].astype(dtype)))
-    return (y * scale.astype(dtype)).astype(out_dtype).reshape(*lead, n_out)
+            y = y.at[:, tail:].set(jnp.einsum("mi,oi->mo", x2, q[tail:].astype(compute)))
+    return (y * scale.astype(compute)).astype(dtype).reshape(*lead, n_out)
 
 
 # ---- attention BMMs -----------------------------------------------------------------------------

@@ -17,8 +17,8 @@ Semantics (the authors' ``eval_long_ppl.py``, REFERENCE §1): token ``t`` attend
 token. **Positions are assigned inside the cache**: the kept tokens are numbered 0, 1, 2, ... in
 stream order, so the query sits at ``min(t, S+W-1)``.
 
-Keys are cached *before* RoPE. Because RoPE scores depend only on the difference between query
-and key positions, the in-cache positions reduce to two cases, both computed from bounded numbers:
+Because RoPE scores depend only on the difference between query and key positions, the in-cache
+positions reduce to two cases, both computed from bounded numbers:
 
 * a non-sink key ``u`` (in the ring or in the current chunk) is at in-cache distance ``t - u`` from
   the query, its true distance, which is < W. We rotate queries at their chunk offset ``c`` and keys
@@ -34,6 +34,19 @@ So no absolute stream position ever enters the arithmetic: the counters are ``le
 slots, saturating at ``S+W``) and ``head`` (next ring offset, in ``[0, W)``), neither of which grows
 with the stream, and logits after a billion tokens are computed from the same small numbers as
 after a thousand.
+
+**Keys stored rotated** (``keys_rotated``, :func:`rotates_keys`). Rotating every cached key each
+decode step is a pass over the whole cache, as costly as the scores themselves. So a float cache
+of a RoPE model stores each key rotated *once*, at its slot's position (:func:`slot_positions`):
+sink ``j`` at ``j``, ring offset ``i`` at ``i - W``. A decode step then scores the cache as it is,
+with the query rotated three times (:func:`token_view`): at ``min(t, S+W-1)`` for the sinks, at
+its own slot's position ``h - W`` for the ring keys written in its lap (offsets ``i <= h``, at
+distance ``h - i``), and at ``h`` for the ones written a lap earlier (``i > h``, at distance
+``h - i + W``): the true distances, from positions in ``[-W, S+W)``. Nothing is rotated twice in
+place (HF's SinkCache drift). A chunk turns the stored keys to its chunk-relative positions with
+one rotation by the difference (bounded by ``2W``), amortised over its tokens. Quantized stores,
+score-based eviction and dynamic NTK (whose frequencies change with the length) keep pre-RoPE keys
+and rotate them where they are read.
 """
 from __future__ import annotations
 
@@ -52,7 +65,8 @@ from .kvquant import KVQuant, empty_kivi, empty_store
 
 @struct.dataclass
 class KVCache:
-    """Per-layer pre-RoPE keys and values plus per-row ring counters.
+    """Per-layer keys (pre-RoPE, or rotated at their slot's position when ``keys_rotated``) and
+    values plus per-row ring counters.
 
     ``k[l]``, ``v[l]``: [B, kv_heads, S+W, head_dim] (head-major, so each head's keys are one
     contiguous matrix for the score and value products); slots ``0..S-1`` hold the sinks,
@@ -71,6 +85,7 @@ class KVCache:
     evict: bool = struct.field(pytree_node=False, default=True)
     scores: tuple = ()  # per layer: evict.Scores (score-based caches), else empty
     evict_by: Optional[Evict] = struct.field(pytree_node=False, default=None)
+    keys_rotated: bool = struct.field(pytree_node=False, default=False)  # see the module's note
 
     @property
     def capacity(self) -> int:
@@ -110,6 +125,22 @@ def check_room(cache: KVCache, need) -> None:
         raise ValueError(f"dense cache overflow: a row would hold {int(need.max())} tokens but "
                          f"the cache has {cache.capacity} slots; make a larger dense cache or "
                          f"use a streaming cache (init_cache(cfg, B, sinks=4, window=W))")
+
+
+def rotates_keys(cfg: ModelConfig, kv_quant: Optional[KVQuant] = None,
+                 evict_by: Optional[Evict] = None) -> bool:
+    """Whether a cache for ``cfg`` stores its keys rotated at their slot's position (the module's
+    note): RoPE models with float caches and ring slots, whose frequencies never change."""
+    return (cfg.pos_emb == "rope" and cfg.rotary_dim > 0 and evict_by is None
+            and (kv_quant is None or not kv_quant.enabled)
+            and (cfg.rope_scaling is None or cfg.rope_scaling.kind != "dynamic"))
+
+
+def slot_positions(S: int, W: int) -> Int[Array, " c"]:
+    """The position each slot's key is rotated at: ``j`` for sink ``j``, ``i - W`` for ring offset
+    ``i`` (a constant: the position belongs to the slot, not to the token in it)."""
+    s = jnp.arange(S + W, dtype=jnp.int32)
+    return jnp.where(s < S, s, s - S - W)
 
 
 def _as_int(x, name: str) -> int:
@@ -179,7 +210,8 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
     return KVCache(k=tuple(layer() for _ in range(cfg.num_layers)),
                    v=tuple(layer(True) for _ in range(cfg.num_layers)),
                    length=jnp.zeros((batch,), jnp.int32), head=jnp.zeros((batch,), jnp.int32),
-                   sinks=sinks, evict=evict, scores=scores, evict_by=evict_by)
+                   sinks=sinks, evict=evict, scores=scores, evict_by=evict_by,
+                   keys_rotated=rotates_keys(cfg, kv_quant, evict_by))
 
 
 def kv_bytes(cache: KVCache) -> int:
@@ -200,6 +232,7 @@ class ChunkLayout(NamedTuple):
     chunk_k_pos: Int[Array, "b t"]  # c': chunk offset of each chunk key
     rest_q_pos: Int[Array, "b t"]  # chunk offset c
     write_slot: Int[Array, "b t"]  # cache slot of each chunk token kept; S+W means dropped
+    store_pos: Int[Array, "b t"]  # position of that slot (slot_positions; 0 if dropped)
     new_length: Int[Array, " b"]
     new_head: Int[Array, " b"]
     overflow: Bool[Array, " b"]  # dense cache asked to hold more than it can
@@ -259,13 +292,14 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     new_sink = (length + c < S) & (c < lens)
     write_slot = jnp.where(kept, S + jnp.mod(head + rank, W),
                            jnp.where(new_sink, length + c, S + W))
+    store_pos = jnp.where(kept, jnp.mod(head + rank, W) - W, jnp.where(new_sink, length + c, 0))
     n_nonsink = jnp.maximum(lens - n_sink_in_chunk, 0)
     new_head = jnp.mod(head + n_nonsink, W)[:, 0]
     new_length = jnp.minimum(length + lens, S + W)[:, 0]
     overflow = (length + lens > S + W)[:, 0] if not cache.evict else jnp.zeros((B,), bool)
     return ChunkLayout(sink_from_chunk, sink_chunk_idx, sink_mask, sink_q_pos, rest_mask,
                        ring_k_pos, jnp.broadcast_to(c, (B, T)), rest_q_pos, write_slot,
-                       new_length, new_head, overflow, old_head=head[:, 0],
+                       store_pos, new_length, new_head, overflow, old_head=head[:, 0],
                        ring_count=jnp.minimum(ring_count, W)[:, 0],
                        nonsink_rank=jnp.where(nonsink, rank, -1),
                        first_nonsink=jnp.minimum(n_sink_in_chunk, T)[:, 0],
@@ -330,18 +364,55 @@ def select_slots(layer_kv, chunk: Float[Array, "b n t h"], idx: Int[Array, "b n 
     return layer_kv.select(chunk, idx)
 
 
-def after_write(lay: ChunkLayout) -> tuple[Int[Array, "b c"], Bool[Array, "b 1 c"]]:
-    """Key positions and mask over the ``S+W`` cache slots *after* a one-token chunk is written.
+class TokenView(NamedTuple):
+    """A decode step's view of the whole cache after its token is written (the module's note)."""
+
+    q_pos: Int[Array, "b 3"]  # the query at min(t, S+W-1), at h - W and at h (h: its ring offset)
+    k_pos: Int[Array, " c"]  # each slot's position (slot_positions)
+    pick: Int[Array, "b c"]  # which of the three query positions scores each slot
+    dist: Int[Array, "b c"]  # the in-cache distance query - key that this gives
+    mask: Bool[Array, "b 1 c"]
+
+
+def token_view(lay: ChunkLayout, S: int) -> TokenView:
+    """Positions and mask over the ``S+W`` slots *after* a one-token chunk is written.
 
     A decode step writes its token first and then attends over the cache alone: reading the
     cache only after the in-place write lets XLA update the donated buffer without copying it
     (reading the old cache and then writing made XLA:CPU copy every layer's K and V twice per
-    step). The layout is the chunk one with the written slot taking over the chunk token's
-    position and mask; the slot's previous occupant is never visible to this query (an empty
-    slot, or the ring token W back, which the window already excludes).
+    step). The written slot takes over the chunk token's mask; the slot's previous occupant is
+    never visible to this query (an empty slot, or the ring token W back, which the window
+    already excludes).
     """
     C = lay.ring_k_pos.shape[1]
-    written = jnp.arange(C, dtype=jnp.int32)[None, :] == lay.write_slot[:, :1]  # [B, C]
-    k_pos = jnp.where(written, lay.chunk_k_pos[:, :1], lay.ring_k_pos)
-    mask = jnp.where(written[:, None, :], lay.rest_mask[..., C:C + 1], lay.rest_mask[..., :C])
-    return k_pos, mask
+    k_pos = slot_positions(S, C - S)  # [C]
+    lap = lay.store_pos[:, :1]  # [B, 1]: h - W for a ring token (a sink sees no ring slot)
+    q_pos = jnp.concatenate([lay.sink_q_pos[:, :1], lap, lap + (C - S)], axis=1)  # [B, 3]
+    slot = jnp.arange(C, dtype=jnp.int32)[None, :]
+    # A ring key ahead of the query's own slot was written a lap earlier.
+    pick = jnp.where(slot < S, 0, jnp.where(k_pos[None, :] <= lap, 1, 2))  # [B, C]
+    dist = jnp.take_along_axis(q_pos, pick, axis=1) - k_pos[None, :]
+    written = (slot == lay.write_slot[:, :1])[:, None, :]  # [B, 1, C]
+    rest = jnp.where(written, lay.rest_mask[..., C:C + 1], lay.rest_mask[..., :C])
+    mask = jnp.concatenate([lay.sink_mask, rest[..., S:]], axis=-1)
+    return TokenView(q_pos, k_pos, pick, dist, mask)
+
+
+def write_token(layer_kv, x: Float[Array, "b n 1 h"], lay: ChunkLayout):
+    """A decode step's write of one token per row, then the read of the whole layer:
+    ``(new layer_kv, its keys or values [B * n, C, h] as attention reads them)``.
+
+    A float layer is updated and read as one [B * n, C, h] array. With a batch of one, XLA:CPU
+    drops the unit dimension from the score product, and the reshape it then needed was fused
+    with the update, which made it copy the layer four times per step (3.5 ms against 0.35 for
+    one layer's keys at 4096 slots, benchmarks/roofline.py's model).
+    """
+    if _is_store(layer_kv):
+        new = write_layer(layer_kv, x, lay)
+        read = read_layer(new, lay)
+        return new, read.reshape((-1,) + read.shape[2:])
+    B, n, C, h = layer_kv.shape
+    slot = jnp.repeat(lay.write_slot[:, 0], n)  # [B * n]; S+W (not written) is dropped
+    merged = layer_kv.reshape(B * n, C, h).at[jnp.arange(B * n), slot].set(
+        x.reshape(B * n, h).astype(layer_kv.dtype), mode="drop")
+    return merged.reshape(B, n, C, h), merged

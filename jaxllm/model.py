@@ -111,13 +111,7 @@ def _attend(scores_parts, value_parts, mask, cfg: ModelConfig,
     step never copies the cache. ``int8_att``: run the probs x values products in INT8.
     """
     scores = jnp.concatenate(scores_parts, axis=-1) if len(scores_parts) > 1 else scores_parts[0]
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    if cfg.sink == "zero":
-        # softmax-off-by-one: a virtual key with score q.0 = 0 and value 0 (REFERENCE §2).
-        probs = jax.nn.softmax(jnp.concatenate([jnp.zeros_like(scores[..., :1]), scores], -1),
-                               axis=-1)[..., 1:]
-    else:
-        probs = jax.nn.softmax(scores, axis=-1)
+    probs = _softmax(scores, mask[:, None, None], cfg)
     p_scale = absmax_scale(probs, -1, True) if int8_att is not None else None  # one per query row
     out, start = 0.0, 0
     for v in value_parts:
@@ -132,6 +126,64 @@ def _attend(scores_parts, value_parts, mask, cfg: ModelConfig,
         start += v.shape[2]
     B, T = out.shape[:2]
     return out.reshape(B, T, cfg.num_heads, cfg.head_dim), probs  # [B, T, H, Dh]
+
+
+def _softmax(scores, mask, cfg: ModelConfig):
+    """Attention probabilities over the last axis, masked keys excluded (``mask`` broadcasts)."""
+    scores = jnp.where(mask, scores, NEG_INF)
+    if cfg.sink == "zero":
+        # softmax-off-by-one: a virtual key with score q.0 = 0 and value 0 (REFERENCE §2).
+        return jax.nn.softmax(jnp.concatenate([jnp.zeros_like(scores[..., :1]), scores], -1),
+                              axis=-1)[..., 1:]
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
+                   int8_att: Optional[QAttention] = None):
+    """One query per row against the whole cache after the step's write (cache.token_view).
+
+    q [B, 1, H, Dh]; k, v [B * KVH, C, Dh] (cache.write_token's reads). The query is rotated at
+    its three positions (sinks, this lap, last lap), all three are scored against every slot in
+    one product, and each slot keeps the score ``plan.pick`` names: the keys are read once and,
+    when stored rotated, never rotated again.
+    """
+    B, _, H, Dh = q.shape
+    KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    C = k.shape[1]
+    rope = plan.q.cos is not None
+    R = 3 if rope else 1  # without RoPE the three positions give the same query
+    q = apply_rope(jnp.broadcast_to(q, (B, R, H, Dh)), plan.q.part(0, R))
+    if plan.keys.cos is not None:  # pre-RoPE keys (quantized stores, dynamic NTK)
+        k = apply_rope(k.reshape(B, KVH, C, Dh), plan.keys, head_major=True).reshape(k.shape)
+    q = q.reshape(B, R, KVH, G, Dh)
+    if int8_att is not None:
+        s = qk_scores(q.astype(jnp.float32), k.reshape(B, KVH, C, Dh).astype(jnp.float32),
+                      int8_att.real).transpose(0, 1, 3, 2, 4)  # [B, KVH, R, G, C]
+    else:
+        # The keys as the left operand and the query rows padded to a multiple of 4: XLA:CPU
+        # hands a product of several query rows to YNNPACK, which took 2.7 ms per layer for
+        # 3 rows at 4096 slots and 1.2 in this form (Pythia-160M, 4+4092, batch 1: 64 ms a
+        # step against 45-50, and 42 for one row alone, which would be wrong).
+        rows = R * G
+        qm = q.transpose(0, 2, 1, 3, 4).reshape(B * KVH, rows, Dh).astype(jnp.float32)
+        qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
+        s = jnp.einsum("nsh,nrh->nsr", k.astype(jnp.float32), qm)[..., :rows]  # [B*KVH, C, rows]
+        s = s.transpose(0, 2, 1).reshape(B, KVH, R, G, C)
+    s = s / math.sqrt(Dh)
+    pick = plan.pick[:, None, None, :]  # [B, 1, 1, C]
+    s = s[:, :, 0] if R == 1 else jnp.where(pick == 0, s[:, :, 0],
+                                            jnp.where(pick == 1, s[:, :, 1], s[:, :, 2]))
+    if cfg.pos_emb == "alibi":  # [B, KVH, G, C]
+        slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(KVH, G)
+        s = s - slopes[None, :, :, None] * plan.dist[:, None, None, :].astype(jnp.float32)
+    probs = _softmax(s, plan.mask[:, :, None, :], cfg)  # [B, KVH, G, C]
+    if int8_att is not None:
+        p = probs[:, :, :, None]  # [B, KVH, G, 1, C]
+        out = pv(p, v.reshape(B, KVH, C, Dh).astype(jnp.float32), absmax_scale(p, -1, True),
+                 int8_att.real)
+    else:
+        out = jnp.einsum("nrs,nsh->nrh", probs.reshape(B * KVH, G, C), v.astype(jnp.float32))
+    return out.reshape(B, 1, H, Dh)
 
 
 def _scores(q, k, cfg: ModelConfig, int8_att: Optional[QAttention] = None):
@@ -194,13 +246,19 @@ class AttnPlan(NamedTuple):
     q_sink: Optional[Rotation] = None  # queries at min(t, S+W-1), for the sink keys
     k_sink: Optional[Rotation] = None  # sink keys at 0..S-1
     rotate: Optional[Callable] = None  # positions -> Rotation, for per-head key positions
+    store: Optional[Rotation] = None  # the chunk's keys at their slots' positions (keys_rotated)
+    # decode (cache.token_view): q holds the query's three positions, keys the slots'
+    pick: Optional[Int[Array, "b c"]] = None
+    dist: Optional[Int[Array, "b c"]] = None
 
 
 def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, sinks: int,
-              freq, write_first: bool = True, positions=None) -> AttnPlan:
+              freq, write_first: bool = True, positions=None,
+              keys_rotated: bool = False) -> AttnPlan:
     """The plan of a plain causal forward (``lay`` None; at ``positions`` [B, T], default
     0..T-1) or of a chunk of ``T`` tokens through a cache with ``sinks`` sink slots; ``freq``
-    [B, r/2] the RoPE inverse frequencies."""
+    [B, r/2] the RoPE inverse frequencies; ``keys_rotated``: the cache stores its keys rotated
+    at their slots' positions (jaxllm.cache's note)."""
     fr = freq if cfg.pos_emb == "rope" else None
     m = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
     rotation = functools.partial(_rotation, scale=m)
@@ -226,17 +284,32 @@ def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, 
         rot = rotation(pos, fr)
         mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
         return AttnPlan(rot, rot, mask)
+    store = rotation(lay.store_pos, fr) if keys_rotated else None
+    C = lay.ring_k_pos.shape[1]
     if T == 1 and write_first:  # decode: the token is written, then the cache alone is read
-        k_pos, mask = kvc.after_write(lay)
+        view = kvc.token_view(lay, sinks)
+        mask = view.mask
+        if cfg.sliding_window:  # Mistral's window, over the non-sink slots
+            mask = mask & ((jnp.arange(C) < sinks) | (view.dist < cfg.sliding_window))[:, None]
+        k_pos = jnp.broadcast_to(view.k_pos, (B, C))
+        keys = Rotation(k_pos) if keys_rotated else rotation(k_pos, fr)
+        return AttnPlan(rotation(view.q_pos, fr), keys, mask, store=store, pick=view.pick,
+                        dist=view.dist)
+    k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
+    mask = lay.rest_mask & _within_window(lay.rest_q_pos, k_pos, cfg)
+    if keys_rotated:  # turn keys stored at their slots' positions to their chunk-relative
+        # ones: a rotation by the difference, unscaled (YaRN's scale is in the stored keys)
+        keys = _rotation(k_pos - jnp.concatenate(
+            [jnp.broadcast_to(kvc.slot_positions(sinks, C - sinks), (B, C)), lay.store_pos], 1),
+            fr)
     else:
-        k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
-        mask = lay.rest_mask
-    mask = mask & _within_window(lay.rest_q_pos, k_pos, cfg)
-    plan = AttnPlan(rotation(lay.rest_q_pos, fr), rotation(k_pos, fr), mask)
+        keys = rotation(k_pos, fr)
+    plan = AttnPlan(rotation(lay.rest_q_pos, fr), keys, mask, store=store)
     if not sinks:
         return plan
     sink_pos = jnp.broadcast_to(jnp.arange(sinks), (B, sinks))
-    return plan._replace(q_sink=rotation(lay.sink_q_pos, fr), k_sink=rotation(sink_pos, fr),
+    k_sink = Rotation(sink_pos) if keys_rotated else rotation(sink_pos, fr)  # stored at j
+    return plan._replace(q_sink=rotation(lay.sink_q_pos, fr), k_sink=k_sink,
                          mask=jnp.concatenate([lay.sink_mask, mask], axis=-1))
 
 
@@ -274,16 +347,16 @@ class Attention(nn.Module):
             new_cache = None
         else:
             ck, cv = layer_cache  # float arrays, or quantized stores (jaxllm.kvquant)
-            S = 0 if plan.k_sink is None else plan.k_sink.pos.shape[1]
-            if T == 1 and not kvc.reads_before_write(ck):  # decode: write the token, then
-                # read the cache alone (no copy, see cache.after_write); a longer chunk (and
-                # KIVI, which attends before it quantizes) must read the old cache first, since
-                # later tokens overwrite ring slots that earlier tokens still attend to.
-                new_cache = kvc.write_layer(ck, k, lay), kvc.write_layer(cv, v, lay)
-                ck, cv = kvc.read_layer(new_cache[0], lay), kvc.read_layer(new_cache[1], lay)
-                scores, values = [_part_scores(q, plan.q, ck, plan.keys, cfg, int8_att)], [cv]
-                sink_k, sink_v = ck[:, :, :S], cv[:, :, :S]
+            if plan.store is not None:  # the cache keeps keys rotated at their slots' positions
+                k = apply_rope(k, plan.store, head_major=True)
+            if plan.pick is not None:  # decode: write the token, then read the cache alone
+                # (no copy, see cache.token_view); a longer chunk (and KIVI, which attends
+                # before it quantizes) must read the old cache first, since later tokens
+                # overwrite ring slots that earlier tokens still attend to.
+                (nk, rk), (nv, rv) = kvc.write_token(ck, k, lay), kvc.write_token(cv, v, lay)
+                ctx, new_cache = _decode_attend(q, rk, rv, plan, cfg, int8_att), (nk, nv)
             else:
+                S = 0 if plan.k_sink is None else plan.k_sink.pos.shape[1]
                 new_cache = kvc.write_layer(ck, k, lay), kvc.write_layer(cv, v, lay)
                 # What is attended to is exactly what is cached (its dtype, its quantization),
                 # so a chunk and the token-by-token process see identical keys and values.
@@ -295,12 +368,12 @@ class Attention(nn.Module):
                           _part_scores(q, plan.q, k_ring, plan.keys.part(C, C + T), cfg,
                                        int8_att)]
                 values = [cv, v_ring]
-                sink_k = kvc.merge_sinks(ck, k, lay, S)  # [B, KVH, S, Dh]
-                sink_v = kvc.merge_sinks(cv, v, lay, S)
-            if S:
-                scores.insert(0, _part_scores(q, plan.q_sink, sink_k, plan.k_sink, cfg, int8_att))
-                values.insert(0, sink_v)
-            ctx, _ = _attend(scores, values, plan.mask, cfg, int8_att)
+                if S:
+                    sink_k = kvc.merge_sinks(ck, k, lay, S)  # [B, KVH, S, Dh]
+                    scores.insert(0, _part_scores(q, plan.q_sink, sink_k, plan.k_sink, cfg,
+                                                  int8_att))
+                    values.insert(0, kvc.merge_sinks(cv, v, lay, S))
+                ctx, _ = _attend(scores, values, plan.mask, cfg, int8_att)
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)
         return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
 
@@ -434,7 +507,7 @@ class Transformer(nn.Module):
         freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
         plan = attn_plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq,
                          write_first=cache is None or not kvc.reads_before_write(cache.k[0]),
-                         positions=positions)
+                         positions=positions, keys_rotated=cache is not None and cache.keys_rotated)
         new_k, new_v, new_s = [], [], []
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
@@ -586,6 +659,10 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
             len(cache.k) != cfg.num_layers:
         raise ValueError("the cache does not match this ModelConfig (layers/kv heads/head dim); "
                          "make it with init_cache(cfg, ...) for the same cfg")
+    if cache.keys_rotated and not kvc.rotates_keys(cfg):
+        raise ValueError("the cache stores its keys rotated (a RoPE model with fixed "
+                         "frequencies) but this ModelConfig's positions differ; make it with "
+                         "init_cache(cfg, ...) for the same cfg")
     if _is_concrete(cache.length) and _is_concrete(lens):
         kvc.check_room(cache, jax.device_get(cache.length + lens))
     return lens

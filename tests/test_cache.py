@@ -10,7 +10,7 @@ import pytest
 from conftest import LLAMA, NEOX, backend_compiles
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import NaiveStream, naive_logits
+from reference import NaiveStream, _rope, naive_logits
 
 import jaxllm
 from jaxllm.model import apply
@@ -25,11 +25,24 @@ def slot_of(t: int, S: int, W: int) -> int:
     return t if t < S else S + (t - S) % W
 
 
-@pytest.mark.parametrize("family", ["neox", "llama"])
+def stored_key(cfg, key, slot: int, S: int, W: int):
+    """What a cache made by init_cache holds for pre-RoPE ``key`` [heads, hd] in ``slot``: the
+    key rotated at the slot's position (j for a sink, ring offset - W; jaxllm.cache's note), by
+    the float64 formula."""
+    return _rope(np.asarray(key, np.float64)[None], [slot if slot < S else slot - S - W], cfg,
+                 0)[0]
+
+
+YARN = dataclasses.replace(LLAMA, rope_scaling=jaxllm.config.RopeScaling(
+    "yarn", 4.0, original_max_len=4))  # attention scale 1.14: applied once to queries and keys
+
+
+@pytest.mark.parametrize("family", ["neox", "llama", "llama-yarn"])
 def test_one_layer_equals_forward_on_kept_tokens(family):
     # With one layer, a cached key depends only on its token, so the cache must equal the plain
-    # forward over [kept sinks + last W tokens] at positions 0..n-1 (REFERENCE §1).
-    cfg = dataclasses.replace(CFGS[family], num_layers=1)
+    # forward over [kept sinks + last W tokens] at positions 0..n-1 (REFERENCE §1). Fed as one
+    # chunk of 23 (blocks of W) and then a token at a time: both paths, over ring wrap-arounds.
+    cfg = dataclasses.replace(YARN if family == "llama-yarn" else CFGS[family], num_layers=1)
     params = jaxllm.init_params(cfg, jax.random.key(5))
     S, W, N = 3, 6, 40
     tokens = np.asarray(jax.random.randint(jax.random.key(6), (1, N), 0, cfg.vocab_size))
@@ -37,8 +50,13 @@ def test_one_layer_equals_forward_on_kept_tokens(family):
     for t in range(N):
         kept = list(range(min(S, t + 1))) + list(range(max(S, t - W + 1), t + 1))
         ref.append(jaxllm.forward(params, cfg, tokens[:, kept])[0][:, -1])
-    got, _ = jaxllm.forward(params, cfg, tokens, jaxllm.init_cache(cfg, 1, sinks=S, window=W))
-    np.testing.assert_allclose(got, jnp.stack(ref, 1), atol=1e-5)
+    got, cache = jaxllm.forward(params, cfg, tokens[:, :23],
+                                jaxllm.init_cache(cfg, 1, sinks=S, window=W))
+    got = [got]
+    for t in range(23, N):
+        logits, cache = jaxllm.forward(params, cfg, tokens[:, t:t + 1], cache)
+        got.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(got, 1), jnp.stack(ref, 1), atol=1e-5)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -69,9 +87,13 @@ def test_chunked_padded_stream_equals_naive(family, S, W, C, B, data):
         naive = NaiveStream(params, cfg, S, W)
         ref = naive.run(streams[b])
         np.testing.assert_allclose(np.stack(got[b]), ref, atol=3e-5, rtol=1e-4)
-        # Every kept token sits in the slot the write-index formula names, as pre-RoPE keys.
+        # Every kept token sits in the slot the write-index formula names, rotated at the
+        # slot's position.
+        assert cache.keys_rotated
         for pos, t in enumerate(naive.kept):
-            np.testing.assert_allclose(cache.k[0][b, :, slot_of(t, S, W)], naive.kv[0][pos][0],
+            slot = slot_of(t, S, W)
+            np.testing.assert_allclose(cache.k[0][b, :, slot],
+                                       stored_key(cfg, naive.kv[0][pos][0], slot, S, W),
                                        atol=1e-5)
 
 
@@ -137,15 +159,25 @@ def test_counters_near_2_31():
     for d in range(1, W + 1):
         perm[(slot_of(n_b - d, S, W) - S)] = slot_of(n_a - d, S, W) - S
     idx = np.r_[np.arange(S), S + np.asarray(perm)]
-    b = a.replace(k=tuple(k[:, :, idx] for k in a.k), v=tuple(v[:, :, idx] for v in a.v),
+    # Keys are stored rotated at their slot's position: a key moved from ring offset o to o'
+    # turns by o' - o (in float64, then rounded as the cache stores it).
+    turn = np.r_[np.zeros(S), np.arange(W) - np.asarray(perm)]
+
+    def moved(k):  # [1, KVH, S+W, hd]
+        k = np.asarray(k, np.float64)[0][:, idx].transpose(1, 0, 2)  # [S+W, KVH, hd]
+        return jnp.asarray(_rope(k, turn, cfg, 0).transpose(1, 0, 2)[None], jnp.float32)
+
+    assert a.keys_rotated
+    b = a.replace(k=tuple(map(moved, a.k)), v=tuple(v[:, :, idx] for v in a.v),
                   head=jnp.asarray([(n_b - S) % W], jnp.int32))
     for i in range(10):
         la, a = jaxllm.forward(params, cfg, toks[:, n_a + i:n_a + i + 1], a)
         lb, b = jaxllm.forward(params, cfg, toks[:, n_a + i:n_a + i + 1], b)
         np.testing.assert_allclose(lb, la, atol=1e-6)
-        # layer-0 keys depend on the token alone: bit-identical, in the formula's slot
-        np.testing.assert_array_equal(b.k[0][0, :, slot_of(n_b + i, S, W)],
-                                      a.k[0][0, :, slot_of(n_a + i, S, W)])
+        # layer-0 keys depend on the token alone: the same key, in the formula's slot
+        sa, sb = slot_of(n_a + i, S, W), slot_of(n_b + i, S, W)
+        np.testing.assert_allclose(_rope(np.asarray(b.k[0][0, :, sb], np.float64)[None],
+                                         [sa - sb], cfg, 0)[0], a.k[0][0, :, sa], atol=1e-6)
     assert b.length.dtype == jnp.int32 and int(b.length[0]) == S + W
     assert int(b.head[0]) == (n_b + 10 - S) % W
 

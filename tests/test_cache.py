@@ -97,6 +97,29 @@ def test_chunked_padded_stream_equals_naive(family, S, W, C, B, data):
                                        atol=1e-5)
 
 
+def test_keys_stored_rotated_or_before_rope_give_the_same_logits():
+    """The same GQA stream through a cache of rotated keys (init_cache's) and one of pre-RoPE
+    keys (rotated where read, as quantized stores and dynamic NTK keep them): chunks across
+    wrap-arounds, then decode steps. A rotated cache is refused by a config whose positions
+    differ (dynamic NTK)."""
+    cfg, params, S, W = LLAMA, PARAMS["llama"], 2, 5
+    a = jaxllm.init_cache(cfg, 2, sinks=S, window=W)
+    b = a.replace(keys_rotated=False)
+    assert a.keys_rotated
+    rng = np.random.default_rng(11)
+    for T in (9, 1, 1, 1, 1, 1, 1, 1):
+        toks, lens = rng.integers(0, cfg.vocab_size, (2, T)), np.array([T, T // 2 + 1])
+        la, a = jaxllm.forward(params, cfg, toks, a, lens)
+        lb, b = jaxllm.forward(params, cfg, toks, b, lens)
+        for r in range(2):
+            np.testing.assert_allclose(la[r, :lens[r]], lb[r, :lens[r]], atol=2e-6)
+    dyn = dataclasses.replace(cfg, rope_scaling=jaxllm.config.RopeScaling(
+        "dynamic", 2.0, original_max_len=8))
+    with pytest.raises(ValueError, match="stores its keys rotated"):
+        jaxllm.forward(params, dyn, np.zeros((2, 1), np.int32), a)
+    assert not jaxllm.init_cache(dyn, 1, S, W).keys_rotated
+
+
 DECODE_CASES = {  # (cfg, sinks, window, evict)
     "neox 2+5": (NEOX, 2, 5, True),
     "llama window 4": (LLAMA, 0, 4, True),

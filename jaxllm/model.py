@@ -237,7 +237,9 @@ class AttnPlan(NamedTuple):
     and the mask over [sink keys | other keys]. Computed once per forward, shared by all layers.
 
     ``keys``: the non-sink keys in the order they are scored: 0..T-1 without a cache; the cache
-    slots then the chunk (T > 1); the cache slots after the token is written (decode, T == 1).
+    slots then the chunk (T > 1). A decode step (T == 1, ``pick`` set) scores every slot, sinks
+    included, after its token is written: ``q`` then holds the query's three positions, ``keys``
+    the slots' positions (a table only for keys stored before RoPE), ``mask`` is [B, 1, S+W].
     """
 
     q: Rotation  # queries, for the non-sink keys [B, T]

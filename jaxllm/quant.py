@@ -28,7 +28,8 @@ ACT_MODES = ("token", "tensor", "static", "none")
 
 @struct.dataclass
 class QKernel:
-    """An int8 weight ``q`` [out, in] with ``scale`` [out] (per channel) or [] (per tensor).
+    """An int8 weight ``q`` [out, in] with ``scale`` [out] (per channel) or [] (per tensor); or a
+    half-precision weight (bfloat16/float16 ``q``, scale 1, ``act="none"``: :func:`half_weights`).
 
     ``q`` is stored K-major ([out, in], the transpose of the float kernel): the layout int8 GEMMs
     want (Hopper's wgmma requires it; XLA on this CPU runs it 3x faster than [in, out]).
@@ -85,6 +86,39 @@ def quantize_rows(table: Float[Array, "v d"], act: str = "token", real: bool = T
     return QKernel(quantize(table, scale[:, None]), scale, act=act, real=real)
 
 
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def half_weights(params, dtype: str = "bfloat16") -> dict:
+    """Float params with every linear kernel and the embedding table stored in ``dtype`` (2
+    bytes a weight), as weight-only nodes: a :class:`QKernel` with ``q`` the weight [out, in] in
+    ``dtype``, a scale of 1 and ``act="none"``. Norms, biases and position tables stay float32.
+
+    Decode reads every weight each step, so it reads half float32's bytes. The [out, in] layout
+    is what makes this pay on CPU: XLA:CPU reads a narrow [out, in] weight inside the product
+    (:func:`weight_only_matmul`), but converts a narrow [in, out] kernel to a new float32 array
+    on every call, which made bfloat16 weights 5-10x slower than float32 there. Products run in
+    float32 on CPU (in the config's dtype elsewhere); ``forward``/``generate`` take the result
+    unchanged, and ``jaxllm.io.save_model`` writes it (as ``q``/``scale`` pairs).
+    """
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"half_weights stores bfloat16 or float16 weights, got {dtype!r}")
+    flat = tree.flatten(params)
+    if any(isinstance(x, (QKernel, QAttention)) for x in flat.values()):
+        raise ValueError("these params hold quantized or half-precision weights already; convert "
+                         "the float32 model")
+    dt = jnp.dtype(dtype)
+    out = {}
+    for path, x in flat.items():
+        if path.endswith("/kernel"):  # [in, out] -> [out, in], one scale for the tensor
+            x = QKernel(jnp.asarray(x).T.astype(dt), jnp.ones((), jnp.float32), act="none")
+        elif path == "embed/embedding":  # already [vocab, dim] = [out, in] as a tied head
+            x = QKernel(jnp.asarray(x).astype(dt), jnp.ones(x.shape[:1], jnp.float32),
+                        act="none")
+        out[path] = x
+    return tree.unflatten(out)
+
+
 def int8_matmul(xq: Int8[Array, "... k"], wq: Int8[Array, "n k"]) -> Int[Array, "... n"]:
     """int8 x int8 -> int32, exact: xq [..., K] against a K-major weight [N, K]."""
     lead = xq.shape[:-1]
@@ -104,8 +138,11 @@ def act_scale_of(x: Array, k: QKernel) -> Array:
 def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Array, "... o"]:
     """x @ W for a quantized W (stored [out, in]), by the node's activation mode and real/fake
     setting. Scales are per output channel or per tensor."""
-    if k.act == "none":  # weight-only: the int8 weight is dequantized next to the matmul
+    if k.act == "none":  # weight-only: the int8 (or half) weight is widened next to the matmul
         return weight_only_matmul(x, k.q, k.scale, dtype)
+    if k.q.dtype != jnp.int8:
+        raise ValueError(f"a {k.q.dtype.name} weight is weight-only (act='none'); act={k.act!r} "
+                         f"needs int8 weights (jaxllm.smoothquant.quantize)")
     sx = act_scale_of(x, k)
     xq = quantize(x, sx)
     if k.real:  # eq. 2: the scales are applied to the int32 product (outer dims only)
@@ -121,57 +158,69 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
     return (acc * sx * k.scale).astype(dtype)
 
 
-# Rows of a dequantized weight block: 256 KiB of float32 at a 768-wide input, so the block stays in
-# L2 between its conversion and its product.
-BLOCK_ELEMS = 1 << 16
-FUSED_ROWS = 8  # up to this many rows: one fused vector-matrix product per row
-MANY_ROWS = 64  # from this many: one float copy of the weight, one GEMM
+# Rows per fused row reduction (below); from MANY_ROWS on, one float copy of the weight and one
+# GEMM.
+REDUCE_ROWS = 32
+MANY_ROWS = 64
+# XLA:CPU fuses the weight's conversion into a one-row product only up to this input width
+# (measured: 3,072 fused, 4,096 not; the unfused form writes the whole float weight each call,
+# 20x slower than float32 at Llama-7B shapes).
+VECMAT_MAX_IN = 3072
 
 
-def weight_only_matmul(x: Float[Array, "... i"], q: Int8[Array, "o i"], scale: Float[Array, "..."],
+def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "..."],
                        dtype=jnp.float32) -> Float[Array, "... o"]:
-    """x @ (q · scale)ᵀ for weight-only int8 (W8): ``(x @ qᵀ) · scale``, the per-channel or
-    per-tensor scale applied to the product (an outer dimension, as eq. 2).
+    """x @ (q · scale)ᵀ for a weight-only kernel ``q`` [out, in] (int8, or bfloat16/float16 from
+    :func:`half_weights`): ``(x @ qᵀ) · scale``, the per-channel or per-tensor scale applied to
+    the product (an outer dimension, as eq. 2).
 
     The plain form, a dot of x with the converted weight, makes XLA:CPU write the whole float
     weight to new memory on every call: on a machine without transparent huge pages that is page
     faults at about 2.5 GB/s, and made W8 decode 7x slower than float32 (docs/BENCHMARKS.md).
-    On CPU, so, up to 8 rows take a fused vector-matrix form each, more run over blocks of output
-    rows, and only many rows (prefill) convert the weight whole; the products are float32 there
-    (a bfloat16 ``dtype`` rounds the input and the result: XLA:CPU computes bf16 dots in float32
-    too). Elsewhere XLA fuses the conversion into the dot's operand.
+    On CPU, so, decode's few rows take forms that XLA emits as one loop reading the narrow weight
+    (docs/BENCHMARKS.md, "weight-only products"), and only many rows (prefill) convert the
+    weight whole; the products are float32 there (a bfloat16 ``dtype`` rounds the input and the
+    result: XLA:CPU computes bf16 dots in float32 too). Elsewhere XLA fuses the conversion into
+    the dot's operand.
     """
     lead, (n_out, n_in) = x.shape[:-1], q.shape
     cpu = jax.default_backend() == "cpu"
     compute = jnp.float32 if cpu else dtype
     x2 = x.reshape(-1, n_in).astype(dtype).astype(compute)  # rounded to dtype, then widened
-    rows = max(8, BLOCK_ELEMS // n_in // 8 * 8)
-    if not cpu or n_out <= rows or x2.shape[0] >= MANY_ROWS:
-        # Many rows (prefill) amortise one float copy of the weight over a large GEMM, which
-        # runs faster whole than in blocks.
+    m = x2.shape[0]
+    if not cpu or m >= MANY_ROWS:
+        # Many rows amortise one float copy of the weight over a large GEMM, which runs faster
+        # whole than in pieces.
         y = jnp.einsum("mi,oi->mo", x2, q.astype(compute))
-    elif x2.shape[0] <= FUSED_ROWS:
-        # A few rows (decode): XLA:CPU emits a vector-matrix product as a loop fusion that takes
-        # the conversion of the [out, in] weight in, so it reads int8 and never writes the float
-        # weight (pythia-160M's head: 2.2 ms, against 8.2 for float32 and 90 for the einsum
-        # form). It does this for one row and this form only, so each row is its own product:
-        # up to 8 rows that beats float32's GEMM (head, 8 rows: 24 against 30 ms), 16 do not.
-        # Each input is materialised first, or the LayerNorm before it would be fused in too and
-        # recomputed for every output.
-        w = q.astype(compute).T
-        y = jnp.concatenate([computed_once(x2[r:r + 1]) @ w for r in range(x2.shape[0])])
     else:
-        n_blocks = n_out // rows
-
-        def block(j, y):
-            qj = jax.lax.dynamic_slice_in_dim(q, j * rows, rows, 0)
-            return jax.lax.dynamic_update_slice_in_dim(
-                y, jnp.einsum("mi,oi->mo", x2, qj.astype(compute)), j * rows, 1)
-
-        y = jax.lax.fori_loop(0, n_blocks, block, jnp.zeros((x2.shape[0], n_out), compute))
-        if n_out % rows:  # the last rows, a static block of their own
-            tail = n_blocks * rows
-            y = y.at[:, tail:].set(jnp.einsum("mi,oi->mo", x2, q[tail:].astype(compute)))
+        # The input is materialised first, or XLA would fuse the LayerNorm producing it into the
+        # product and recompute it for every output.
+        x2 = computed_once(x2)
+        if m == 1 and n_in <= VECMAT_MAX_IN:
+            # One row: a vector-matrix product, which XLA:CPU emits as a loop fusion that takes
+            # the conversion in (Pythia-160M's head: 2.0 ms for int8, 3.1 for bfloat16, 6.9 for
+            # float32; docs/BENCHMARKS.md, "Weight-only products").
+            y = x2 @ q.astype(compute).T
+        else:
+            # Several rows (or a wide input): an elementwise product summed over the input's
+            # minor dimension, one loop that reads each weight row once for all the rows (head,
+            # 8 rows: 7.6 ms for int8, 9.0 for bfloat16, 14 for float32's GEMM; Llama-7B's MLP,
+            # one row: 5.4 for int8, 6.2 for bfloat16). Past 32 rows XLA stops fusing it, so
+            # groups of 32; one row is padded to two, as XLA turns a one-row reduction back into
+            # the unfused dot.
+            def rows_product(xg):  # [g, in] -> [g, out]
+                # Two barriers, each against a rewrite that would materialise the [out, g, in]
+                # product: tying the input to its own weight keeps q, k and v (which share an
+                # input) from sharing one broadcast of it, and fencing the sum keeps a following
+                # LayerNorm's mean from being merged into this reduction.
+                xg, qg = jax.lax.optimization_barrier((xg, q))
+                prod = qg.astype(compute)[:, None, :] * xg[None]
+                return jax.lax.optimization_barrier(jnp.sum(prod, axis=-1)).T
+            if m == 1:
+                y = rows_product(jnp.concatenate([x2, x2]))[:1]
+            else:
+                y = jnp.concatenate([rows_product(x2[g:g + REDUCE_ROWS])
+                                     for g in range(0, m, REDUCE_ROWS)])
     return (y * scale.astype(compute)).astype(dtype).reshape(*lead, n_out)
 
 

@@ -129,13 +129,14 @@ def test_one_row_int8_product_is_exact_at_the_float32_bound(k):
 @pytest.mark.parametrize("lead,n_in,n_out,per_channel", [((12,), 64, 2500, True),
                                                           ((2, 6), 64, 2048, False),
                                                           ((1, 1), 64, 2500, True),
-                                                          ((3,), 64, 2500, False),
+                                                          ((1,), 4100, 40, True),
+                                                          ((40,), 64, 300, False),
                                                           ((80,), 64, 2500, False),
                                                           ((5,), 96, 40, True)])
 def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_channel):
-    """W8 (act 'none') = x @ (q·s)ᵀ in float64, whatever the form: on CPU, 12 input rows and
-    2,500 outputs are two full 1,024-row blocks and a tail, 2,048 outputs exactly two; one or
-    three rows are vector-matrix products; 80 rows (prefill) or 40 outputs one plain product."""
+    """W8 (act 'none') = x @ (q·s)ᵀ in float64, whatever the form: on CPU one row of 64 inputs
+    is a vector-matrix product, one row of 4,100 a row reduction over two copies of it, 5 or 12
+    rows one row reduction, 40 rows two (32 + 8), 80 rows (prefill) one plain product."""
     rng = np.random.default_rng(n_out)
     x = rng.normal(size=(*lead, n_in)).astype(np.float32)
     w = rng.normal(size=(n_in, n_out)).astype(np.float32)
@@ -152,6 +153,59 @@ def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_chan
     assert got16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got16, np.float64), x16 @ deq.T, rtol=2 ** -8,
                                atol=1e-2)
+
+
+def _rounded(params, dtype):
+    """The float model with its kernels and embedding table rounded to ``dtype`` (the plain
+    [in, out] float path: the reference for half_weights)."""
+    return tree.unflatten({k: v.astype(dtype).astype(jnp.float32)
+                           if k.endswith("/kernel") or k == "embed/embedding" else v
+                           for k, v in tree.flatten(params).items()})
+
+
+@pytest.mark.parametrize("cfg,dtype,B", [(NEOX, "bfloat16", 2), (LLAMA, "float16", 1),
+                                         (FALCON, "bfloat16", 1)], ids=["neox", "llama", "falcon"])
+def test_half_weights_equal_the_model_with_rounded_weights(cfg, dtype, B):
+    """2-byte weights stored [out, in] (a 12-token chunk, then one-token steps into a sink
+    cache: on CPU, row reductions for several rows and a vector-matrix product for one) give the
+    logits of the float model whose weights were rounded to the same dtype, to float32 rounding;
+    the weights take half the bytes."""
+    params = jax.tree.map(lambda x: x * 4 if x.ndim == 2 else x,  # O(1) logits
+                          jaxllm.init_params(cfg, jax.random.key(3)))
+    half, ref = quant.half_weights(params, dtype), _rounded(params, dtype)
+    k = half["layer_0"]["mlp"]["down"]["kernel"]
+    assert (k.q.dtype, k.q.shape) == (jnp.dtype(dtype), params["layer_0"]["mlp"]["down"]["kernel"].T.shape)
+    nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))  # noqa: E731
+    assert nbytes(half) / nbytes(params) < 0.55
+    toks = IDS[3000:3000 + 14 * B].reshape(B, 14)
+    got, want = [], []
+    for p, out in ((half, got), (ref, want)):
+        cache = jaxllm.init_cache(cfg, B, sinks=2, window=6)
+        logits, cache = jaxllm.forward(p, cfg, toks[:, :12], cache)
+        out.append(logits)
+        for t in range(12, 14):
+            logits, cache = jaxllm.forward(p, cfg, toks[:, t:t + 1], cache)
+            out.append(logits)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), rtol=0)
+
+
+def test_half_weights_save_load_and_errors(tmp_path):
+    params = jaxllm.init_params(LLAMA, jax.random.key(0))
+    half = quant.half_weights(params)
+    jaxllm.save_model(str(tmp_path / "m"), LLAMA, half, format="safetensors")
+    _, half2, _ = jaxllm.load_model(str(tmp_path / "m"))
+    toks = IDS[None, :9]
+    np.testing.assert_array_equal(jaxllm.forward(half2, LLAMA, toks)[0],
+                                  jaxllm.forward(half, LLAMA, toks)[0])
+    assert half2["embed"]["embedding"].q.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="bfloat16 or float16 weights, got 'int8'"):
+        quant.half_weights(params, "int8")
+    with pytest.raises(ValueError, match="half-precision weights already"):
+        quant.half_weights(half)
+    k = half["layer_0"]["attn"]["q"]["kernel"].replace(act="token")
+    with pytest.raises(ValueError, match="bfloat16 weight is weight-only"):
+        quant.qmatmul(jnp.ones((1, 32)), k)
 
 
 @pytest.fixture(scope="module")

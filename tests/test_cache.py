@@ -288,3 +288,25 @@ def test_long_prompt_in_one_call_keeps_rotation_angles_bounded(name):
     err_step = np.abs(np.asarray(steps) - ref).max()
     err_call = np.abs(np.asarray(one_call[0]) - ref).max()
     assert err_call <= 2 * err_step, (err_call, err_step)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
+    """A one-layer model's keys and values do not depend on the cache, so after a chunk and
+    decode steps past a full ring (batch 2), a 2-byte cache holds exactly the float32 cache's
+    entries rounded to its dtype (decode steps write bfloat16 through its uint16 bits)."""
+    cfg = dataclasses.replace(LLAMA, num_layers=1)
+    params = jaxllm.init_params(cfg, jax.random.key(2))
+    toks = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 14))
+    caches = {}
+    for dt in (jnp.float32, dtype):
+        c = jaxllm.init_cache(cfg, 2, sinks=2, window=5, dtype=dt)
+        _, c = jaxllm.forward(params, cfg, toks[:, :6], c)
+        for t in range(6, 14):
+            _, c = jaxllm.forward(params, cfg, toks[:, t:t + 1], c)
+        caches[dt] = c
+    for a, b in ((caches[jnp.float32].k[0], caches[dtype].k[0]),
+                 (caches[jnp.float32].v[0], caches[dtype].v[0])):
+        assert b.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(dtype), np.float32),
+                                      np.asarray(b, np.float32))

@@ -163,3 +163,27 @@ def test_every_option_has_help_and_its_default():
                         not action.required:
                     assert f"(default: {action.default})" in " ".join(text.split()), \
                         f"{parser.prog} {action.option_strings[0]} does not show its default"
+
+
+def test_cli_half_weights(tmp_path, capsys):
+    """``--weights bfloat16`` scores as the float model whose weights were rounded to bfloat16
+    (the plain float path, an independent reference); a quantized model is refused."""
+    from jaxllm import quant, tree
+    assert main(["ppl", "--weights", "bfloat16", "--max-tokens", "120", "--cache", "32",
+                 "--chunk", "16", "--quiet", "--json", str(tmp_path / "s.json")]) == 0
+    got = json.loads((tmp_path / "s.json").read_text())["ppl"]
+    cfg, params, tok = jaxllm.load_model("embedded")
+    rounded = tree.unflatten({k: v.astype("bfloat16").astype("float32")
+                              if k.endswith("/kernel") or k == "embed/embedding" else v
+                              for k, v in tree.flatten(params).items()})
+    ids = np.asarray(tok.encode(builtin_corpus())[:120])
+    nll = stream_nll(rounded, cfg, ids, PplConfig(method="streaming", sinks=4, cache=32, chunk=16))
+    np.testing.assert_allclose(got, float(np.exp(np.mean(nll))), rtol=5e-6)  # float: 4e-5 off
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["ppl", "--weights", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    q = quant.half_weights(params)
+    jaxllm.save_model(str(tmp_path / "h"), cfg, q)
+    assert main(["ppl", "--model", str(tmp_path / "h"), "--weights", "float16", "--quiet"]) == 2
+    assert "--weights float16: these params hold quantized" in capsys.readouterr().err

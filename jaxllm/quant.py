@@ -164,7 +164,7 @@ REDUCE_ROWS = 32
 MANY_ROWS = 64
 # XLA:CPU fuses the weight's conversion into a one-row product only up to this input width
 # (measured: 3,072 fused, 4,096 not; the unfused form writes the whole float weight each call,
-# 20x slower than float32 at Llama-7B shapes).
+# 15-17x slower than float32 at Llama-7B shapes).
 VECMAT_MAX_IN = 3072
 
 

@@ -4,10 +4,10 @@ Decode is bound by the bytes a step must read: every weight once (the embedding 
 which a step reads B rows of, unless it is also the tied head) and every K and V slot of the
 fixed-shape cache (StreamingLLM reads all slots each step, full or not). For each weight format
 (float32; bfloat16 weights; bfloat16 weights and KV cache; W8: int8 weights only; W8A8 O1: int8
-weights and per-token int8 activations; all compute in float32 on CPU), each cache and batch, the table shows the step time, those
-bytes, the time the fastest of two read kernels takes over the same number of bytes in this
-process (a float32 sum and an Eigen matrix-vector product: the read ceiling) and the fraction of
-that ceiling the step reaches.
+weights and per-token int8 activations; all compute in float32 on CPU), each cache and batch,
+the table shows the step time, those bytes, the time the fastest of two read kernels takes over
+the same number of bytes in this process (a float32 sum and an Eigen matrix-vector product: the
+read ceiling) and the fraction of that ceiling the step reaches.
 
 Prefill (a plain forward of --prefill tokens, batch 1) is bound by the matrix units: the GEMM
 ceiling is the time of the model's own linear layers as bare dot products of the same shapes and

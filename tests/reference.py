@@ -246,3 +246,14 @@ class NaiveEvictStream(NaiveStream):
             score = {i: self.lam * acc[h][i] + (1 - self.lam) * (1 - (ek[h][i] + ev[h][i]) / 2)
                      if self.lam < 1 else es[i][2] for i in cand if i not in default}
             del es[min(score, key=score.get)]
+
+
+def rounded_weights(params, dtype: str) -> dict:
+    """The float model with its linear kernels and embedding table rounded to ``dtype`` and kept
+    float32 [in, out]: what a 2-byte weight store (quant.half_weights) must compute, through the
+    plain float path."""
+    import jax.numpy as jnp
+    from jaxllm import tree
+    return tree.unflatten({k: jnp.asarray(v).astype(dtype).astype(jnp.float32)
+                           if k.endswith("/kernel") or k == "embed/embedding" else v
+                           for k, v in tree.flatten(params).items()})

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import NEOX
-from reference import NaiveStream
+from reference import NaiveStream, rounded_weights
 
 import jaxllm
 from jaxllm.cli import main
@@ -168,14 +168,12 @@ def test_every_option_has_help_and_its_default():
 def test_cli_half_weights(tmp_path, capsys):
     """``--weights bfloat16`` scores as the float model whose weights were rounded to bfloat16
     (the plain float path, an independent reference); a quantized model is refused."""
-    from jaxllm import quant, tree
+    from jaxllm import quant
     assert main(["ppl", "--weights", "bfloat16", "--max-tokens", "120", "--cache", "32",
                  "--chunk", "16", "--quiet", "--json", str(tmp_path / "s.json")]) == 0
     got = json.loads((tmp_path / "s.json").read_text())["ppl"]
     cfg, params, tok = jaxllm.load_model("embedded")
-    rounded = tree.unflatten({k: v.astype("bfloat16").astype("float32")
-                              if k.endswith("/kernel") or k == "embed/embedding" else v
-                              for k, v in tree.flatten(params).items()})
+    rounded = rounded_weights(params, "bfloat16")
     ids = np.asarray(tok.encode(builtin_corpus())[:120])
     nll = stream_nll(rounded, cfg, ids, PplConfig(method="streaming", sinks=4, cache=32, chunk=16))
     np.testing.assert_allclose(got, float(np.exp(np.mean(nll))), rtol=5e-6)  # float: 4e-5 off

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import LLAMA, NEOX
+from reference import rounded_weights
 
 import jaxllm
 from jaxllm import quant, tree
@@ -155,14 +156,6 @@ def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_chan
                                atol=1e-2)
 
 
-def _rounded(params, dtype):
-    """The float model with its kernels and embedding table rounded to ``dtype`` (the plain
-    [in, out] float path: the reference for half_weights)."""
-    return tree.unflatten({k: v.astype(dtype).astype(jnp.float32)
-                           if k.endswith("/kernel") or k == "embed/embedding" else v
-                           for k, v in tree.flatten(params).items()})
-
-
 @pytest.mark.parametrize("cfg,dtype,B", [(NEOX, "bfloat16", 2), (LLAMA, "float16", 1),
                                          (FALCON, "bfloat16", 1)], ids=["neox", "llama", "falcon"])
 def test_half_weights_equal_the_model_with_rounded_weights(cfg, dtype, B):
@@ -172,7 +165,7 @@ def test_half_weights_equal_the_model_with_rounded_weights(cfg, dtype, B):
     the weights take half the bytes."""
     params = jax.tree.map(lambda x: x * 4 if x.ndim == 2 else x,  # O(1) logits
                           jaxllm.init_params(cfg, jax.random.key(3)))
-    half, ref = quant.half_weights(params, dtype), _rounded(params, dtype)
+    half, ref = quant.half_weights(params, dtype), rounded_weights(params, dtype)
     k = half["layer_0"]["mlp"]["down"]["kernel"]
     assert (k.q.dtype, k.q.shape) == (jnp.dtype(dtype), params["layer_0"]["mlp"]["down"]["kernel"].T.shape)
     nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))  # noqa: E731

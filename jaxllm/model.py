@@ -17,7 +17,8 @@ from . import cache as kvc
 from . import evict
 from .config import ModelConfig
 from .policy import check_positions
-from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
+from .quant import (QAttention, QKernel, absmax_scale, bf16_terms, pv, qk_scores, qmatmul,
+                    sum_terms)
 from .rope import Rotation, apply_rope, inv_freq
 from .rope import rotation as _rotation
 
@@ -164,10 +165,19 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         # hands a product of several query rows to YNNPACK, which took 2.7 ms per layer for
         # 3 rows at 4096 slots and 1.2 in this form (Pythia-160M, 4+4092, batch 1: 64 ms a
         # step against 45-50, and 42 for one row alone, which would be wrong).
+        # A bfloat16 cache is read as stored, the query split into three bfloat16 terms
+        # (quant.bf16_terms: the float32 product, without a float32 copy of the keys).
         rows = R * G
         qm = q.transpose(0, 2, 1, 3, 4).reshape(B * KVH, rows, Dh).astype(jnp.float32)
-        qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
-        s = jnp.einsum("nsh,nrh->nsr", k.astype(jnp.float32), qm)[..., :rows]  # [B*KVH, C, rows]
+        narrow = k.dtype == jnp.bfloat16
+        if narrow:
+            qm = bf16_terms(qm)
+        else:
+            k = k.astype(jnp.float32)
+        qm = jnp.pad(qm, ((0, 0), (0, -qm.shape[1] % 4 if qm.shape[1] > 1 else 0), (0, 0)))
+        s = jax.lax.dot_general(k, qm, (((2,), (2,)), ((0,), (0,))),
+                                preferred_element_type=jnp.float32)  # [B*KVH, C, rows (x3)]
+        s = sum_terms(s, rows, 2) if narrow else s[..., :rows]
         s = s.transpose(0, 2, 1).reshape(B, KVH, R, G, C)
     s = s / math.sqrt(Dh)
     pick = plan.pick[:, None, None, :]  # [B, 1, 1, C]
@@ -181,6 +191,11 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         p = probs[:, :, :, None]  # [B, KVH, G, 1, C]
         out = pv(p, v.reshape(B, KVH, C, Dh).astype(jnp.float32), absmax_scale(p, -1, True),
                  int8_att.real)
+    elif v.dtype == jnp.bfloat16:  # as the keys: one product over three bfloat16 terms
+        out = jax.lax.dot_general(bf16_terms(probs.reshape(B * KVH, G, C)), v,
+                                  (((2,), (1,)), ((0,), (0,))),
+                                  preferred_element_type=jnp.float32)  # [B*KVH, 3G, Dh]
+        out = sum_terms(out, G, 1)
     else:
         out = jnp.einsum("nrs,nsh->nrh", probs.reshape(B * KVH, G, C), v.astype(jnp.float32))
     return out.reshape(B, 1, H, Dh)

@@ -68,7 +68,7 @@ def _first_non_finite(params):
 
 
 WEIGHTS_HELP = ("weights as stored, or bfloat16/float16 weight-only (quant.half_weights: half "
-                "the bytes; on a CPU 1.4-1.8x float32's batch-1 decode)")
+                "the bytes; on a CPU 1.4-2.1x float32's batch-1 decode)")
 
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:

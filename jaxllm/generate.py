@@ -14,6 +14,7 @@ from .cache import KVCache, check_room
 from .config import ModelConfig
 from .model import apply, check_chunk, forward
 from .policy import with_sink
+from .quant import loop_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +115,15 @@ def _decode_step(params, cfg: ModelConfig, sc: SamplingConfig, s: DecodeState) -
     cache continues the conversation exactly."""
     N = s.out.shape[1]
     eos = -1 if sc.eos_id is None else sc.eos_id
+    params, step = loop_weights(params, s.step)  # else XLA widens W8/bf16 weights before the loop
     logits, cache = apply(params, cfg, s.token[:, None], s.cache, s.pending.astype(jnp.int32))
     key, sub = jax.random.split(s.key)
     new = sample_logits(logits[:, 0], sub, sc)
-    can = s.pending & ~s.done & (s.step < N)
-    col = jnp.minimum(s.step, N - 1)
+    can = s.pending & ~s.done & (step < N)
+    col = jnp.minimum(step, N - 1)
     old = jax.lax.dynamic_index_in_dim(s.out, col, 1, False)
     out = jax.lax.dynamic_update_index_in_dim(s.out, jnp.where(can, new, old), col, 1)
-    return DecodeState(step=s.step + 1, token=jnp.where(can, new, s.token), pending=can,
+    return DecodeState(step=step + 1, token=jnp.where(can, new, s.token), pending=can,
                        done=s.done | (can & (new == eos)), count=s.count + can, out=out,
                        key=key, cache=cache)
 

@@ -19,6 +19,7 @@ from .config import ModelConfig
 from .model import apply
 from .plots import figure, running_mean
 from .policy import METHODS, SCORED, CachePolicy, check_positions, with_sink
+from .quant import loop_weights
 
 PplConfig = CachePolicy  # the name this module's API has always used
 __all__ = ["METHODS", "CachePolicy", "PplConfig", "run_ppl", "stream_nll", "stream_score",
@@ -42,7 +43,8 @@ def _nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens, stepwise: b
     # each other beyond the budget: feed one token at a time (a scan inside the same jit).
     def step(c, xs):
         tok, t = xs
-        logits, c = apply(params, cfg, tok[:, None], c, (t < lens).astype(jnp.int32))
+        p, t = loop_weights(params, t)  # else XLA widens W8/bf16 weights before the loop
+        logits, c = apply(p, cfg, tok[:, None], c, (t < lens).astype(jnp.int32))
         return c, logits[:, 0]
 
     cache, logits = jax.lax.scan(step, cache, (toks.T, jnp.arange(toks.shape[1])))

@@ -40,6 +40,20 @@ def best_ms(fn, *args, n: int = 20) -> float:
     return best * 1e3
 
 
+def read_ceiling_ms(nbytes: int) -> float:
+    """The fastest read of ``nbytes`` in this process: a sum, or a matrix-vector product (Eigen,
+    which XLA runs on all cores) over a float32 buffer of that size (best of 20 each)."""
+    import jax
+    import jax.numpy as jnp
+    cols = 1024
+    rows = max(1, nbytes // 4 // cols)
+    buf = jnp.ones((rows, cols), jnp.float32)
+    vec = jnp.ones((cols,), jnp.float32)
+    ms = min(best_ms(jax.jit(jnp.sum), buf), best_ms(jax.jit(jnp.dot), buf, vec))
+    del buf
+    return ms
+
+
 def time_decode(step, params, cache, steps: int, warmup: int = 2):
     """``(ms per call, cache)`` of ``step(params, tokens=, cache=, lens=)`` decoding one token per
     row of ``cache`` (compiled and warmed up first; the cache is donated and threaded through)."""

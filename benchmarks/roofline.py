@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _record import best_ms, record, time_decode  # noqa: E402
+from _record import best_ms, read_ceiling_ms, record, time_decode  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -61,18 +61,6 @@ def weight_bytes(cfg, params) -> int:
     if not cfg.tie_embeddings:
         tree.pop("embed")
     return sum(x.nbytes for x in jax.tree.leaves(tree))
-
-
-def read_ceiling_ms(nbytes: int) -> float:
-    """The fastest read of ``nbytes`` in this process: a sum, or a matrix-vector product (Eigen,
-    which XLA runs on all cores) over a float32 buffer of that size."""
-    cols = 1024
-    rows = max(1, nbytes // 4 // cols)
-    buf = jnp.ones((rows, cols), jnp.float32)
-    vec = jnp.ones((cols,), jnp.float32)
-    ms = min(best_ms(jax.jit(jnp.sum), buf), best_ms(jax.jit(jnp.dot), buf, vec))
-    del buf
-    return ms
 
 
 def linear_shapes(params) -> list[tuple[int, int]]:

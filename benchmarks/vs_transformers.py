@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _record import record  # noqa: E402
+from _record import read_ceiling_ms, record  # noqa: E402
 
 
 def _best(fns, n):
@@ -97,12 +97,10 @@ def main():
         lines.append(f"| decode tokens/s (16 + {N}) | {B} | {B * N / t_hf:.1f} | "
                      f"{B * N / t_j:.1f} | {t_hf / t_j:.2f}x |")
     # The batch-1 ceiling: a decode step reads every weight once, so no implementation on this
-    # machine decodes faster than one pass over the weights' bytes (timed as a jitted sum over a
-    # float32 buffer of that size: summing bfloat16 directly would time its conversion too).
+    # machine decodes faster than one pass over the weights' bytes (the roofline's read ceiling:
+    # the faster of a sum and a matrix-vector product over a float32 buffer of that size).
     n_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    buf = jnp.ones((n_bytes // 4,), jnp.float32)
-    read_all = jax.jit(jnp.sum)
-    t_read, = _best([lambda: read_all(buf).block_until_ready()], max(a.repeats, 5))
+    t_read = read_ceiling_ms(n_bytes) / 1e3
     ceiling = 1.0 / t_read
     lines.append(f"| weight-read ceiling tokens/s (1 pass over {n_bytes / 2**20:.0f} MiB) | 1 | "
                  f"{ceiling:.1f} | {ceiling:.1f} | |")

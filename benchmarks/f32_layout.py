@@ -1,5 +1,6 @@
 """Float32 decode with the kernels stored [in, out] (the model's layout) against [out, in]
-(the layout of W8 and ``half_weights``), Pythia-160M shapes, random weights, StreamingLLM 4+252.
+(``quant.decode_weights(params, "float32")``, the layout of W8), Pythia-160M shapes, random
+weights, StreamingLLM 4+252.
 
 Why: a one-row product that contracts the weight's minor axis (``W @ x``, [out, in]) reads
 memory faster on XLA:CPU than one that contracts its major axis (``x @ W``, [in, out]). The
@@ -9,10 +10,12 @@ same products in float32. The two layouts' rounds alternate in one process; the 
 is the roofline's (weights + KV bytes).
 
     python benchmarks/f32_layout.py
+    python benchmarks/f32_layout.py --preset llama2-7b --layers 2     # 4,096-wide layers
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -23,26 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _record import read_ceiling_ms, record, time_decode  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import jaxllm  # noqa: E402
-from jaxllm import tree  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
 from jaxllm.policy import CachePolicy  # noqa: E402
-from jaxllm.quant import QKernel  # noqa: E402
-
-
-def out_in(params) -> dict:
-    """The float32 model with every linear kernel (and the embedding, a [vocab, dim] table) as a
-    float32 [out, in] weight-only node."""
-    flat = {}
-    for path, x in tree.flatten(params).items():
-        if path.endswith("/kernel"):
-            x = QKernel(jnp.asarray(x).T.copy(), jnp.ones((), jnp.float32), act="none")
-        elif path == "embed/embedding":
-            x = QKernel(jnp.asarray(x), jnp.ones(x.shape[:1], jnp.float32), act="none")
-        flat[path] = x
-    return tree.unflatten(flat)
+from jaxllm.quant import decode_weights  # noqa: E402
 
 
 def main():
@@ -51,11 +39,15 @@ def main():
     ap.add_argument("--preset", default="pythia-160m")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of 10 steps (median)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="keep only this many layers (0: all; a wide preset's shapes, in memory)")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     cfg = jaxllm.PRESETS[a.preset]
+    if a.layers:
+        cfg = dataclasses.replace(cfg, num_layers=a.layers)
     p_io = jaxllm.init_params(cfg, jax.random.key(0))
-    models = {"[in, out]": p_io, "[out, in]": out_in(p_io)}
+    models = {"[in, out]": p_io, "[out, in]": decode_weights(p_io, "float32")}
     step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
     policy = CachePolicy("streaming", 4, 256)
     wbytes = sum(x.nbytes for x in jax.tree.leaves({k: v for k, v in p_io.items()
@@ -79,7 +71,8 @@ def main():
             lines.append(f"| {B} | {n} | {ms:.1f} | {base / ms:.2f}x | {ceil:.1f} | "
                          f"{ceil / ms:.0%} |")
             print(lines[-1], flush=True)
-    record(f"Float32 decode by kernel layout ({a.preset}, StreamingLLM 4+252)",
+    shape = f", {cfg.num_layers} layers" if a.layers else ""
+    record(f"Float32 decode by kernel layout ({a.preset}{shape}, StreamingLLM 4+252)",
            f"Median of {a.rounds} rounds of 10 steps, the layouts' rounds alternating:\n\n"
            + "\n".join(lines), dry=a.no_record)
 

@@ -67,27 +67,28 @@ def _first_non_finite(params):
     return None
 
 
-WEIGHTS_HELP = ("weights as stored, or bfloat16/float16 weight-only (quant.half_weights: half "
-                "the bytes; on a CPU 1.4-2.1x float32's batch-1 decode)")
+WEIGHTS_HELP = ("weights as stored, or kept [out, in] for decoding in float32, bfloat16 or "
+                "float16 (quant.decode_weights; on a CPU, Pythia-160M batch-1 decode: float32 "
+                "1.14x, bfloat16 1.4-2.1x the stored float32's)")
 
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--weights", default="stored", choices=["stored", "bfloat16", "float16"],
+    p.add_argument("--weights", default="stored", choices=["stored", "float32", "bfloat16", "float16"],
                    help=WEIGHTS_HELP)
 
 
 def load(model: str, need_tokenizer: bool = True, weights: str = "stored"):
     """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError.
-    ``weights``: "stored", or a 2-byte dtype for :func:`jaxllm.quant.half_weights`."""
+    ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`."""
     from .io import TOKENIZER_DIR, load_model, reader_for
-    from .quant import half_weights
+    from .quant import decode_weights
     try:
         cfg, params, tok = load_model(model)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(str(e)) from None
     if weights != "stored":
         try:
-            params = half_weights(params, weights)
+            params = decode_weights(params, weights)
         except ValueError as e:
             raise CliError(f"--weights {weights}: {e}") from None
     if model.startswith("random:"):

@@ -29,7 +29,8 @@ ACT_MODES = ("token", "tensor", "static", "none")
 @struct.dataclass
 class QKernel:
     """An int8 weight ``q`` [out, in] with ``scale`` [out] (per channel) or [] (per tensor); or a
-    half-precision weight (bfloat16/float16 ``q``, scale 1, ``act="none"``: :func:`half_weights`).
+    float weight kept [out, in] for decoding (float32/bfloat16/float16 ``q``, scale 1,
+    ``act="none"``: :func:`decode_weights`).
 
     ``q`` is stored K-major ([out, in], the transpose of the float kernel): the layout int8 GEMMs
     want (Hopper's wgmma requires it; XLA on this CPU runs it 3x faster than [in, out]).
@@ -87,26 +88,33 @@ def quantize_rows(table: Float[Array, "v d"], act: str = "token", real: bool = T
 
 
 HALF_DTYPES = ("bfloat16", "float16")
+DECODE_DTYPES = ("float32",) + HALF_DTYPES
 
 
-def half_weights(params, dtype: str = "bfloat16") -> dict:
-    """Float params with every linear kernel and the embedding table stored in ``dtype`` (2
-    bytes a weight), as weight-only nodes: a :class:`QKernel` with ``q`` the weight [out, in] in
-    ``dtype``, a scale of 1 and ``act="none"``. Norms, biases and position tables stay float32.
+def decode_weights(params, dtype: str = "bfloat16") -> dict:
+    """Float params with every linear kernel and the embedding table stored [out, in] in
+    ``dtype`` (float32, bfloat16 or float16), as weight-only nodes: a :class:`QKernel` with ``q``
+    the weight [out, in], a scale of 1 and ``act="none"``. Norms, biases and position tables
+    stay float32. The layout for decoding on a CPU; training and converters take the plain
+    params.
 
-    Decode reads every weight each step, so it reads half float32's bytes. The [out, in] layout
-    is what makes this pay on CPU: XLA:CPU reads a narrow [out, in] weight inside the product
-    (:func:`weight_only_matmul`), but converts a narrow [in, out] kernel to a new float32 array
-    on every call, which made bfloat16 weights 5-10x slower than float32 there. Products run in
-    float32 on CPU (in the config's dtype elsewhere); ``forward``/``generate`` take the result
-    unchanged, and ``jaxllm.io.save_model`` writes it (as ``q``/``scale`` pairs).
+    Decode reads every weight each step, and XLA:CPU reads an [out, in] weight faster inside a
+    few-row product (:func:`weight_only_matmul`, which contracts its minor axis) than the
+    model's own [in, out] kernels: float32 [out, in] decodes Pythia-160M 1.14x faster at batch 1
+    and 1.23x at batch 8 (docs/BENCHMARKS.md, "Float32 decode by kernel layout"). A 2-byte
+    dtype also halves the bytes; there the layout matters more still, as XLA:CPU converts a
+    narrow [in, out] kernel to a new float32 array on every call (5-10x slower than float32).
+    Products run in float32 on CPU (in the config's dtype elsewhere); ``forward``/``generate``
+    take the result unchanged, and ``jaxllm.io.save_model`` writes it (as ``q``/``scale``
+    pairs).
     """
-    if dtype not in HALF_DTYPES:
-        raise ValueError(f"half_weights stores bfloat16 or float16 weights, got {dtype!r}")
+    if dtype not in DECODE_DTYPES:
+        raise ValueError(f"decode_weights stores float32, bfloat16 or float16 weights, got "
+                         f"{dtype!r} (int8 weights: jaxllm.smoothquant.quantize)")
     flat = tree.flatten(params)
     if any(isinstance(x, (QKernel, QAttention)) for x in flat.values()):
-        raise ValueError("these params hold quantized or half-precision weights already; convert "
-                         "the float32 model")
+        raise ValueError("these params hold quantized or weight-only nodes already; convert "
+                         "the float model")
     dt = jnp.dtype(dtype)
     out = {}
     for path, x in flat.items():
@@ -117,6 +125,14 @@ def half_weights(params, dtype: str = "bfloat16") -> dict:
                         act="none")
         out[path] = x
     return tree.unflatten(out)
+
+
+def half_weights(params, dtype: str = "bfloat16") -> dict:
+    """:func:`decode_weights` in a 2-byte ``dtype`` (bfloat16 or float16): half float32's bytes.
+    """
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"half_weights stores bfloat16 or float16 weights, got {dtype!r}")
+    return decode_weights(params, dtype)
 
 
 def loop_weights(params, step: Array):
@@ -186,7 +202,7 @@ VECMAT_MAX_IN = 3072
 def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "..."],
                        dtype=jnp.float32) -> Float[Array, "... o"]:
     """x @ (q · scale)ᵀ for a weight-only kernel ``q`` [out, in] (int8, or bfloat16/float16 from
-    :func:`half_weights`): ``(x @ qᵀ) · scale``, the per-channel or per-tensor scale applied to
+    :func:`decode_weights`): ``(x @ qᵀ) · scale``, the per-channel or per-tensor scale applied to
     the product (an outer dimension, as eq. 2).
 
     The plain form, a dot of x with the converted weight, makes XLA:CPU write the whole float

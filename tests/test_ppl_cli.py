@@ -165,18 +165,20 @@ def test_every_option_has_help_and_its_default():
                         f"{parser.prog} {action.option_strings[0]} does not show its default"
 
 
-def test_cli_half_weights(tmp_path, capsys):
-    """``--weights bfloat16`` scores as the float model whose weights were rounded to bfloat16
-    (the plain float path, an independent reference); a quantized model is refused."""
+def test_cli_decode_weights(tmp_path, capsys):
+    """``--weights bfloat16`` scores as the float model whose weights were rounded to bfloat16,
+    and ``--weights float32`` ([out, in]) as the stored model (the plain float path, an
+    independent reference); a quantized model is refused."""
     from jaxllm import quant
-    assert main(["ppl", "--weights", "bfloat16", "--max-tokens", "120", "--cache", "32",
-                 "--chunk", "16", "--quiet", "--json", str(tmp_path / "s.json")]) == 0
-    got = json.loads((tmp_path / "s.json").read_text())["ppl"]
     cfg, params, tok = jaxllm.load_model("embedded")
-    rounded = rounded_weights(params, "bfloat16")
     ids = np.asarray(tok.encode(builtin_corpus())[:120])
-    nll = stream_nll(rounded, cfg, ids, PplConfig(method="streaming", sinks=4, cache=32, chunk=16))
-    np.testing.assert_allclose(got, float(np.exp(np.mean(nll))), rtol=5e-6)  # float: 4e-5 off
+    for dtype, rtol in (("bfloat16", 5e-6), ("float32", 1e-6)):  # bfloat16 vs float: 4e-5 off
+        assert main(["ppl", "--weights", dtype, "--max-tokens", "120", "--cache", "32",
+                     "--chunk", "16", "--quiet", "--json", str(tmp_path / "s.json")]) == 0
+        got = json.loads((tmp_path / "s.json").read_text())["ppl"]
+        nll = stream_nll(rounded_weights(params, dtype), cfg, ids,
+                         PplConfig(method="streaming", sinks=4, cache=32, chunk=16))
+        np.testing.assert_allclose(got, float(np.exp(np.mean(nll))), rtol=rtol)
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["ppl", "--weights", "int8"])

@@ -157,19 +157,20 @@ def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_chan
 
 
 @pytest.mark.parametrize("cfg,dtype,B", [(NEOX, "bfloat16", 2), (LLAMA, "float16", 1),
-                                         (FALCON, "bfloat16", 1)], ids=["neox", "llama", "falcon"])
-def test_half_weights_equal_the_model_with_rounded_weights(cfg, dtype, B):
-    """2-byte weights stored [out, in] (a 12-token chunk, then one-token steps into a sink
-    cache: on CPU, row reductions for several rows and a vector-matrix product for one) give the
-    logits of the float model whose weights were rounded to the same dtype, to float32 rounding;
-    the weights take half the bytes."""
+                                         (FALCON, "bfloat16", 1), (LLAMA, "float32", 2)],
+                         ids=["neox", "llama", "falcon", "llama-float32"])
+def test_decode_weights_equal_the_model_with_rounded_weights(cfg, dtype, B):
+    """Weights stored [out, in] (a 12-token chunk, then one-token steps into a sink cache: on
+    CPU, row reductions for several rows and a vector-matrix product for one) give the logits of
+    the float model whose weights were rounded to the same dtype (float32: the model itself), to
+    float32 rounding; 2-byte weights take half the bytes."""
     params = jax.tree.map(lambda x: x * 4 if x.ndim == 2 else x,  # O(1) logits
                           jaxllm.init_params(cfg, jax.random.key(3)))
-    half, ref = quant.half_weights(params, dtype), rounded_weights(params, dtype)
+    half, ref = quant.decode_weights(params, dtype), rounded_weights(params, dtype)
     k = half["layer_0"]["mlp"]["down"]["kernel"]
     assert (k.q.dtype, k.q.shape) == (jnp.dtype(dtype), params["layer_0"]["mlp"]["down"]["kernel"].T.shape)
     nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))  # noqa: E731
-    assert nbytes(half) / nbytes(params) < 0.55
+    assert nbytes(half) / nbytes(params) < (0.55 if dtype != "float32" else 1.01)
     toks = IDS[3000:3000 + 14 * B].reshape(B, 14)
     got, want = [], []
     for p, out in ((half, got), (ref, want)):
@@ -194,7 +195,11 @@ def test_half_weights_save_load_and_errors(tmp_path):
     assert half2["embed"]["embedding"].q.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="bfloat16 or float16 weights, got 'int8'"):
         quant.half_weights(params, "int8")
-    with pytest.raises(ValueError, match="half-precision weights already"):
+    with pytest.raises(ValueError, match="bfloat16 or float16 weights, got 'float32'"):
+        quant.half_weights(params, "float32")  # 2 bytes, as its name says: decode_weights
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 weights, got 'int8'"):
+        quant.decode_weights(params, "int8")
+    with pytest.raises(ValueError, match="weight-only nodes already"):
         quant.half_weights(half)
     k = half["layer_0"]["attn"]["q"]["kernel"].replace(act="token")
     with pytest.raises(ValueError, match="bfloat16 weight is weight-only"):

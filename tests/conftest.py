@@ -47,6 +47,19 @@ def model(request):
     return cfg, jaxllm.init_params(cfg, jax.random.key(0))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop every compiled program no one holds. XLA:CPU maps each
+    loaded executable's code in about 150 memory regions, and jit's caches keep every program
+    the suite compiles alive: the full suite reached Linux's limit of 65,530 regions per process
+    (vm.max_map_count) at 97% and crashed in XLA (SIGSEGV or SIGABRT, in whichever test compiled
+    next). Programs used again recompile, or load from the session's compilation cache."""
+    yield
+    import gc
+    jax.clear_caches()
+    gc.collect()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _XLA_CACHE:
         import shutil

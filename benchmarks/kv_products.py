@@ -1,0 +1,132 @@
+"""A decode step's work on one layer of a float32 or bfloat16 KV cache on XLA:CPU, by form:
+the write of the new token, the scores (keys) and the values product, Pythia-160M's layer
+shapes (12 KV heads of 64, one query row per head), batch 1 and 8.
+
+Why: a bfloat16 cache halves the bytes a step reads, but on this CPU its step is slower than a
+float32 cache's at 4+4092 (roofline runs 9-10). This splits the step into its three cache
+passes and times the forms each could take, so the gap is located and the next form to try is
+measured, not guessed:
+
+- write: a float32 scatter (in place); bfloat16 as a select against the slot (jaxllm's form:
+  one pass over the layer); bfloat16 through the layer's bits as uint32 pairs (an in-place
+  32-bit scatter between two bitcasts).
+- keys: ``k [N, C, Dh] . q [N, rows, Dh]`` contracting Dh, the query rows padded to 4; bfloat16
+  with the query as three exact bfloat16 terms (``quant.bf16_terms``, jaxllm's form).
+- values: ``p [N, rows, C] . v [N, C, Dh]`` contracting C; bfloat16 as three terms (jaxllm's
+  form); the same in groups of 12 heads; widened to float32 first; and values stored
+  transposed, ``v [N, Dh, C]``, in the keys' form.
+
+    python benchmarks/kv_products.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _record import best_ms, record  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxllm.quant import bf16_terms, sum_terms  # noqa: E402
+
+HEADS, DH = 12, 64
+
+
+def dot(a, b, ca: int, cb: int):
+    """Batched over axis 0, contracting a's axis ``ca`` with b's ``cb``, float32 result."""
+    return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((0,), (0,))),
+                               preferred_element_type=jnp.float32)
+
+
+def write_ms(fn, layer, *rest, n: int = 10) -> float:
+    """Best of ``n`` calls of a write, the layer donated and threaded through (as a decode step
+    does: XLA may then update it in place)."""
+    import time
+    f = jax.jit(fn, donate_argnums=0)
+    layer = f(layer, *rest)
+    layer.block_until_ready()
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        layer = f(layer, *rest)
+        layer.block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def forms(N: int, C: int):
+    """{(pass, form): (fn, args)}; every fn returns what the step needs from that pass."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    k32, v32 = (jax.random.normal(k, (N, C, DH)) for k in ks[:2])
+    k16, v16 = k32.astype(jnp.bfloat16), v32.astype(jnp.bfloat16)
+    vt16 = jnp.swapaxes(v16, 1, 2)  # [N, Dh, C]
+    q = jax.random.normal(ks[2], (N, 1, DH))
+    p = jax.nn.softmax(jax.random.normal(ks[3], (N, 1, C)), -1)
+    slot = jnp.full((N,), C // 2, jnp.int32)
+    new = q[:, 0]
+
+    def pad4(x):
+        return jnp.pad(x, ((0, 0), (0, -x.shape[1] % 4), (0, 0)))
+
+    def write_select(layer, slot, new):
+        hit = jnp.arange(C)[None, :, None] == slot[:, None, None]
+        return jnp.where(hit, new[:, None, :].astype(layer.dtype), layer)
+
+    def write_pairs(layer, slot, new):
+        u = jax.lax.bitcast_convert_type(layer.reshape(N, C, DH // 2, 2), jnp.uint32)
+        nu = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16).reshape(N, DH // 2, 2),
+                                          jnp.uint32)
+        u = u.at[jnp.arange(N), slot].set(nu, mode="drop")
+        return jax.lax.bitcast_convert_type(u, jnp.bfloat16).reshape(N, C, DH)
+
+    def values_groups(p, v):
+        t = bf16_terms(p)
+        return sum_terms(jnp.concatenate([dot(t[i:i + 12], v[i:i + 12], 2, 1)
+                                          for i in range(0, N, 12)]), 1, 1)
+
+    return {
+        ("write", "float32 scatter"): (
+            lambda l, s, x: l.at[jnp.arange(N), s].set(x, mode="drop"), (k32, slot, new)),
+        ("write", "bfloat16 select (jaxllm)"): (write_select, (k16, slot, new)),
+        ("write", "bfloat16 as uint32 pairs"): (write_pairs, (k16, slot, new)),
+        ("keys", "float32"): (lambda k, q: dot(k, pad4(q), 2, 2), (k32, q)),
+        ("keys", "bfloat16, 3 terms (jaxllm)"): (
+            lambda k, q: sum_terms(dot(k, pad4(bf16_terms(q)), 2, 2), 1, 2), (k16, q)),
+        ("values", "float32"): (lambda p, v: dot(p, v, 2, 1), (p, v32)),
+        ("values", "bfloat16, 3 terms (jaxllm)"): (
+            lambda p, v: sum_terms(dot(bf16_terms(p), v, 2, 1), 1, 1), (p, v16)),
+        ("values", "bfloat16, 3 terms, 12 heads a product"): (values_groups, (p, v16)),
+        ("values", "bfloat16 widened to float32"): (
+            lambda p, v: dot(p, v.astype(jnp.float32), 2, 1), (p, v16)),
+        ("values", "bfloat16 stored [Dh, C], keys' form"): (
+            lambda p, v: sum_terms(dot(v, pad4(bf16_terms(p)), 2, 2), 1, 2), (p, vt16)),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slots", type=int, default=4096)
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args()
+    lines = ["| pass | form | batch | ms per layer | x float32's |", "|---|---|---:|---:|---:|"]
+    for B in [int(b) for b in a.batch.split(",")]:
+        base = {}
+        for (step, form), (fn, args) in forms(B * HEADS, a.slots).items():
+            ms = (write_ms(fn, args[0].copy(), *args[1:]) if step == "write" else
+                  best_ms(jax.jit(fn), *args, n=10))
+            base.setdefault(step, ms)  # each pass's float32 form comes first
+            lines.append(f"| {step} | {form} | {B} | {ms:.2f} | {ms / base[step]:.1f}x |")
+            print(lines[-1], flush=True)
+    record(f"KV cache passes by form, one layer ({HEADS} KV heads x {DH}, {a.slots} slots)",
+           "Best of 10 calls each (a write's layer donated and threaded through, as in a "
+           "decode step):\n\n"
+           + "\n".join(lines), dry=a.no_record)
+
+
+if __name__ == "__main__":
+    main()

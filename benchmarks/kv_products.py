@@ -1,6 +1,7 @@
 """A decode step's work on one layer of a float32 or bfloat16 KV cache on XLA:CPU, by form:
 the write of the new token, the scores (keys) and the values product, Pythia-160M's layer
-shapes (12 KV heads of 64, one query row per head), batch 1 and 8.
+shapes (12 KV heads of 64, one query head each, scored at its 3 RoPE rotations as jaxllm's step
+does), batch 1 and 8.
 
 Why: a bfloat16 cache halves the bytes a step reads, but on this CPU its step is slower than a
 float32 cache's at 4+4092 (roofline runs 9-10). This splits the step into its three cache
@@ -57,14 +58,16 @@ def write_ms(fn, layer, *rest, n: int = 10) -> float:
     return best * 1e3
 
 
-def forms(N: int, C: int):
-    """{(pass, form): (fn, args)}; every fn returns what the step needs from that pass."""
+def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
+    """{(pass, form): (fn, args)}; every fn returns what the step needs from that pass. ``N``:
+    batch x KV heads; ``q_rows``: query rows a KV head scores (jaxllm: 3 rotations of each of
+    its query heads under RoPE); ``p_rows``: its query heads."""
     ks = jax.random.split(jax.random.key(0), 4)
-    k32, v32 = (jax.random.normal(k, (N, C, DH)) for k in ks[:2])
+    k32, v32 = (jax.random.normal(k, (N, C, dh)) for k in ks[:2])
     k16, v16 = k32.astype(jnp.bfloat16), v32.astype(jnp.bfloat16)
     vt16 = jnp.swapaxes(v16, 1, 2)  # [N, Dh, C]
-    q = jax.random.normal(ks[2], (N, 1, DH))
-    p = jax.nn.softmax(jax.random.normal(ks[3], (N, 1, C)), -1)
+    q = jax.random.normal(ks[2], (N, q_rows, dh))
+    p = jax.nn.softmax(jax.random.normal(ks[3], (N, p_rows, C)), -1)
     slot = jnp.full((N,), C // 2, jnp.int32)
     new = q[:, 0]
 
@@ -76,16 +79,16 @@ def forms(N: int, C: int):
         return jnp.where(hit, new[:, None, :].astype(layer.dtype), layer)
 
     def write_pairs(layer, slot, new):
-        u = jax.lax.bitcast_convert_type(layer.reshape(N, C, DH // 2, 2), jnp.uint32)
-        nu = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16).reshape(N, DH // 2, 2),
+        u = jax.lax.bitcast_convert_type(layer.reshape(N, C, dh // 2, 2), jnp.uint32)
+        nu = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16).reshape(N, dh // 2, 2),
                                           jnp.uint32)
         u = u.at[jnp.arange(N), slot].set(nu, mode="drop")
-        return jax.lax.bitcast_convert_type(u, jnp.bfloat16).reshape(N, C, DH)
+        return jax.lax.bitcast_convert_type(u, jnp.bfloat16).reshape(N, C, dh)
 
     def values_groups(p, v):
         t = bf16_terms(p)
         return sum_terms(jnp.concatenate([dot(t[i:i + 12], v[i:i + 12], 2, 1)
-                                          for i in range(0, N, 12)]), 1, 1)
+                                          for i in range(0, N, 12)]), p_rows, 1)
 
     return {
         ("write", "float32 scatter"): (
@@ -94,16 +97,33 @@ def forms(N: int, C: int):
         ("write", "bfloat16 as uint32 pairs"): (write_pairs, (k16, slot, new)),
         ("keys", "float32"): (lambda k, q: dot(k, pad4(q), 2, 2), (k32, q)),
         ("keys", "bfloat16, 3 terms (jaxllm)"): (
-            lambda k, q: sum_terms(dot(k, pad4(bf16_terms(q)), 2, 2), 1, 2), (k16, q)),
+            lambda k, q: sum_terms(dot(k, pad4(bf16_terms(q)), 2, 2), q_rows, 2), (k16, q)),
         ("values", "float32"): (lambda p, v: dot(p, v, 2, 1), (p, v32)),
         ("values", "bfloat16, 3 terms (jaxllm)"): (
-            lambda p, v: sum_terms(dot(bf16_terms(p), v, 2, 1), 1, 1), (p, v16)),
+            lambda p, v: sum_terms(dot(bf16_terms(p), v, 2, 1), p_rows, 1), (p, v16)),
         ("values", "bfloat16, 3 terms, 12 heads a product"): (values_groups, (p, v16)),
         ("values", "bfloat16 widened to float32"): (
             lambda p, v: dot(p, v.astype(jnp.float32), 2, 1), (p, v16)),
         ("values", "bfloat16 stored [Dh, C], keys' form"): (
-            lambda p, v: sum_terms(dot(v, pad4(bf16_terms(p)), 2, 2), 1, 2), (p, vt16)),
+            lambda p, v: sum_terms(dot(v, pad4(bf16_terms(p)), 2, 2), p_rows, 2), (p, vt16)),
     }
+
+
+# The forms jaxllm's decode step takes (model._decode_attend, cache.write_token), by cache dtype.
+JAXLLM_FORMS = {"float32": ("float32 scatter", "float32", "float32"),
+                "bfloat16": ("bfloat16 select (jaxllm)", "bfloat16, 3 terms (jaxllm)",
+                             "bfloat16, 3 terms (jaxllm)")}
+
+
+def step_passes_ms(N: int, C: int, dtype: str, q_rows: int, p_rows: int, dh: int) -> float:
+    """One layer's cache passes in a decode step, in jaxllm's forms: the keys' and the values'
+    writes, the scores and the values product (best of 10 each, summed)."""
+    f = forms(N, C, q_rows, p_rows, dh)
+    write, keys, values = (f[step, form] for step, form in
+                           zip(("write", "keys", "values"), JAXLLM_FORMS[dtype]))
+    return (2 * write_ms(write[0], write[1][0].copy(), *write[1][1:]) +
+            best_ms(jax.jit(keys[0]), *keys[1], n=10) +
+            best_ms(jax.jit(values[0]), *values[1], n=10))
 
 
 def main():
@@ -116,7 +136,7 @@ def main():
     lines = ["| pass | form | batch | ms per layer | x float32's |", "|---|---|---:|---:|---:|"]
     for B in [int(b) for b in a.batch.split(",")]:
         base = {}
-        for (step, form), (fn, args) in forms(B * HEADS, a.slots).items():
+        for (step, form), (fn, args) in forms(B * HEADS, a.slots, q_rows=3).items():
             ms = (write_ms(fn, args[0].copy(), *args[1:]) if step == "write" else
                   best_ms(jax.jit(fn), *args, n=10))
             base.setdefault(step, ms)  # each pass's float32 form comes first

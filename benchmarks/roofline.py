@@ -15,7 +15,9 @@ reads does not lower that row's bar.
 Then why a step falls short: the step's weight products alone (every linear layer's product for
 B rows, in the format's own form, chained in one jit, no attention) and the fraction of the
 weights' read ceiling they reach: what XLA:CPU's product code does with exactly those bytes,
-which a step cannot beat.
+which a step cannot beat; and the step's passes over the cache alone (each layer's keys' and
+values' writes, scores and values product, in jaxllm's forms for the cache's dtype:
+benchmarks/kv_products.py). The step's time is about the two plus norms, softmax and the rest.
 
 Prefill (a plain forward of --prefill tokens, batch 1) is bound by the matrix units: the GEMM
 ceiling is the time of the model's own linear layers as bare dot products of the same shapes and
@@ -35,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _record import best_ms, read_ceiling_ms, record, time_decode  # noqa: E402
+from kv_products import step_passes_ms  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -158,10 +161,12 @@ def main():
     params0 = jaxllm.init_params(cfg0, jax.random.key(0))
     dec = ["| format | cache | batch | ms/step | speed vs float32 | weights + KV read (MiB) | "
            "read ceiling (ms) | of ceiling | weight products alone (ms) | products: of weight "
-           "ceiling |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "ceiling | KV passes alone (ms) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     rows = []  # (label, cache, batch, step ms, speed, weight bytes, KV bytes, products ms)
     rates = []  # (bytes, bytes per ms) of every read measured in this run
     prods = {}  # (format, batch) -> the weight products alone, ms
+    kv_ms = {}  # (KV dtype, batch, slots) -> the step's cache passes alone, ms
     pre = ["| format | tokens | prefill ms | GEMM ceiling ms | of ceiling | GEMM GFLOP/s |",
            "|---|---:|---:|---:|---:|---:|"]
     models = {name: variant(name, cfg0, params0) for name in formats}
@@ -189,9 +194,16 @@ def main():
                 if (n, B) not in prods:
                     prods[n, B] = products_ms(cfg, params, B)
                     rates.append((wb, wb / read_ceiling_ms(wb)))
+                kvk = (jnp.dtype(models[n][2]).name, B, 4 + W)
+                if kvk not in kv_ms:
+                    G = cfg.num_heads // cfg.num_kv_heads
+                    R = 3 if cfg.pos_emb == "rope" and cfg.rotary_dim > 0 else 1
+                    kv_ms[kvk] = cfg.num_layers * step_passes_ms(
+                        B * cfg.num_kv_heads, 4 + W, kvk[0], R * G, G, cfg.head_dim)
                 vs = (f"{np.median(times['float32']) / ms:.2f}x" if "float32" in times
                       else "-")
-                rows.append((LABELS[n], pc.label, B, ms, vs, wb, kvb[n], prods[n, B]))
+                rows.append((LABELS[n], pc.label, B, ms, vs, wb, kvb[n], prods[n, B],
+                             kv_ms[kvk]))
                 print(f"{LABELS[n]}, {pc.label}, batch {B}: {ms:.1f} ms a step, weight products "
                       f"alone {prods[n, B]:.1f} ms", flush=True)
 
@@ -201,11 +213,11 @@ def main():
         # is never faster a byte on an idle machine (a smaller one may be, from the caches), so
         # its rate is a bar this row's bytes can reach too.
         return nbytes / max(r for m, r in rates if m >= nbytes)
-    for label, cache, B, ms, vs, wb, kv, pm in rows:
+    for label, cache, B, ms, vs, wb, kv, pm, km in rows:
         ceil, wceil = ceiling_ms(wb + kv), ceiling_ms(wb)
         dec.append(f"| {label} | {cache} | {B} | {ms:.1f} | {vs} | {wb / 2**20:.0f} + "
                    f"{kv / 2**20:.0f} | {ceil:.1f} | {ceil / ms:.0%} | {pm:.1f} | "
-                   f"{wceil / pm:.0%} |")
+                   f"{wceil / pm:.0%} | {km:.1f} |")
     T = a.prefill
     for name, (cfg, params, _) in models.items():
         toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, T)))
@@ -221,8 +233,11 @@ def main():
              f"{a.rounds} rounds of {a.steps} steps, the formats' rounds interleaved; speed: "
              f"float32's time over the format's; read ceiling: the bytes at the fastest rate "
              f"that a read of as many bytes or more reached in the run (each row's bytes read "
-             f"best of 20); weight products alone: every linear layer's product for the batch's rows in the "
-             f"format's form, chained, best of 10):\n\n" + "\n".join(dec) +
+             f"best of 20); weight products alone: every linear layer's product for the "
+             f"batch's rows in the format's form, chained, best of 10; KV passes alone: every "
+             f"layer's cache writes, scores and values product in jaxllm's forms for the "
+             f"cache's dtype, benchmarks/kv_products.py, best of 10 each):\n\n"
+             + "\n".join(dec) +
              f"\n\nPrefill ({T} tokens, batch 1, best of 3):\n\n" + "\n".join(pre))
     record(f"Roofline: decode and prefill against this machine's limits ({a.preset})", table,
            dry=a.no_record)

@@ -115,54 +115,36 @@ def test_readme_api_example_prints_text(capsys):
     assert sum(c.isprintable() or c in "\n\t" for c in out) / len(out) > 0.95, out
 
 
-
-_LOOP_MEMORY = """
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
-import jaxllm
-from jaxllm.generate import _generate_jit
-from jaxllm.ppl import _nll_chunk
-cfg = jaxllm.ModelConfig.gpt_neox(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
-                                  rotary_pct=0.5)
-params = jaxllm.init_params(cfg, jax.random.key(0))
-if sys.argv[1] == "w8":
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 256)
-    narrow = jaxllm.smoothquant.quantize(params, cfg, ids, "w8", smooth=False,
-                                         calib=jaxllm.CalibConfig(n_seqs=2, seq_len=16, batch=2))
-else:
-    narrow = jaxllm.quant.half_weights(params)
-policy = jaxllm.CachePolicy("streaming", 2, 16)
-toks, lens = jnp.ones((1, 4), jnp.int32), jnp.array([4], jnp.int32)
-
-def temp_bytes(p):
-    gen = _generate_jit.lower(p, cfg, jaxllm.SamplingConfig(max_new_tokens=4), toks, lens,
-                              policy.make_cache(cfg, 1, 0), jax.random.key(0))
-    nll = _nll_chunk.lower(p, cfg, policy.make_cache(cfg, 1, 0), toks, toks, lens, stepwise=True)
-    return [f.compile().memory_analysis().temp_size_in_bytes for f in (gen, nll)]
-
-print(json.dumps({"narrow": temp_bytes(narrow), "float": temp_bytes(params),
-                  "copy": sum(x.nbytes for x in jax.tree.leaves(params))}))
-"""
-
-
 @pytest.mark.parametrize("weights", ["w8", "bfloat16"])
 def test_decode_loops_read_narrow_weights_in_place(weights):
     """The compiled decode loops (generate's while loop, stepwise perplexity's scan) read int8
     and bfloat16 weights as stored. XLA's loop-invariant code motion would otherwise widen them
     to float32 once, before the loop: a float32 copy of every weight in temporary memory (and
     4x W8's bytes read per step). Reference: the float32 model's own programs, which hold no
-    weight copy; a hoisted copy of even a quarter of the weights fails the bound.
+    weight copy; a hoisted copy of even a quarter of the weights fails the bound."""
+    from jaxllm.generate import _generate_jit
+    from jaxllm.ppl import _nll_chunk
+    cfg = jaxllm.ModelConfig.gpt_neox(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                                      rotary_pct=0.5)
+    params = jaxllm.init_params(cfg, jax.random.key(0))
+    if weights == "w8":
+        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 256)
+        narrow = jaxllm.smoothquant.quantize(params, cfg, ids, "w8", smooth=False,
+                                             calib=jaxllm.CalibConfig(n_seqs=2, seq_len=16,
+                                                                      batch=2))
+    else:
+        narrow = jaxllm.quant.half_weights(params)
+    policy = jaxllm.CachePolicy("streaming", 2, 16)
+    toks, lens = jnp.ones((1, 4), jnp.int32), jnp.array([4], jnp.int32)
 
-    It runs in a child process without the compilation cache: in the suite's process, these
-    AOT compiles and memory analyses were followed by a crash (SIGSEGV/SIGABRT) inside a later
-    test's XLA compile (test_train), reproducibly in the full suite and never alone."""
-    import json
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    out = subprocess.run([sys.executable, "-c", _LOOP_MEMORY, weights], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    r = json.loads(out.strip().splitlines()[-1])
-    for name, narrow_b, float_b in zip(("generate", "stepwise nll"), r["narrow"], r["float"]):
-        assert narrow_b < float_b + r["copy"] / 4, (name, narrow_b, float_b, r["copy"])
+    def temp_bytes(p):  # [generate, stepwise nll]
+        gen = _generate_jit.lower(p, cfg, jaxllm.SamplingConfig(max_new_tokens=4), toks, lens,
+                                  policy.make_cache(cfg, 1, 0), jax.random.key(0))
+        nll = _nll_chunk.lower(p, cfg, policy.make_cache(cfg, 1, 0), toks, toks, lens,
+                               stepwise=True)
+        return [f.compile().memory_analysis().temp_size_in_bytes for f in (gen, nll)]
+
+    copy = sum(x.nbytes for x in jax.tree.leaves(params))
+    for name, narrow_b, float_b in zip(("generate", "stepwise nll"), temp_bytes(narrow),
+                                       temp_bytes(params)):
+        assert narrow_b < float_b + copy / 4, (name, narrow_b, float_b, copy)

@@ -100,10 +100,13 @@ def decode_weights(params, dtype: str = "bfloat16") -> dict:
 
     Decode reads every weight each step, and XLA:CPU reads an [out, in] weight faster inside a
     few-row product (:func:`weight_only_matmul`, which contracts its minor axis) than the
-    model's own [in, out] kernels: float32 [out, in] decodes Pythia-160M 1.14x faster at batch 1
-    and 1.23x at batch 8 (docs/BENCHMARKS.md, "Float32 decode by kernel layout"). A 2-byte
-    dtype also halves the bytes; there the layout matters more still, as XLA:CPU converts a
-    narrow [in, out] kernel to a new float32 array on every call (5-10x slower than float32).
+    model's own [in, out] kernels: float32 [out, in] decodes Pythia-160M 1.14-1.29x faster at
+    batch 1 and 1.02-1.23x at batch 8 (docs/BENCHMARKS.md, "Float32 decode by kernel layout",
+    roofline runs 10-11). Not for one row through layers wider than ``VECMAT_MAX_IN`` (3,072):
+    XLA:CPU has no fast one-row product for such an [out, in] weight, and Llama-7B's layers
+    decode 0.82-0.87x at batch 1 (1.35x at batch 8). A 2-byte dtype also halves the bytes;
+    there the layout matters more still, as XLA:CPU converts a narrow [in, out] kernel to a new
+    float32 array on every call (5-10x slower than float32).
     Products run in float32 on CPU (in the config's dtype elsewhere); ``forward``/``generate``
     take the result unchanged, and ``jaxllm.io.save_model`` writes it (as ``q``/``scale``
     pairs).

@@ -163,7 +163,7 @@ def main():
            "read ceiling (ms) | of ceiling | weight products alone (ms) | products: of weight "
            "ceiling | KV passes alone (ms) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    rows = []  # (label, cache, batch, step ms, speed, weight bytes, KV bytes, products ms)
+    rows = []  # (label, cache, batch, step ms, speed, weight bytes, KV bytes, products ms, KV ms)
     rates = []  # (bytes, bytes per ms) of every read measured in this run
     prods = {}  # (format, batch) -> the weight products alone, ms
     kv_ms = {}  # (KV dtype, batch, slots) -> the step's cache passes alone, ms

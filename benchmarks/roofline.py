@@ -77,27 +77,9 @@ def weight_bytes(cfg, params) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def linear_shapes(params) -> list[tuple[int, int]]:
-    """(in, out) of every linear layer (float [in, out] kernels; int8 ones are [out, in])."""
-    shapes = []
-
-    def visit(node):
-        if isinstance(node, dict):
-            if "kernel" in node:
-                k = node["kernel"]
-                shapes.append(tuple(k.q.shape[::-1]) if isinstance(k, QKernel) else
-                              tuple(k.shape))
-            for child in node.values():
-                visit(child)
-    visit(params)
-    return shapes
-
-
-def products_ms(cfg, params, B: int) -> float:
-    """The step's weight products alone, for ``B`` rows, in the format's own form (the model's
-    dispatch: ``qmatmul`` for a quantized or [out, in] node, a plain product for a float kernel),
-    one after the other in one jit (best of 10): what XLA:CPU's product code reaches over
-    exactly the weight bytes a step reads, without attention, norms or the cache."""
+def linear_kernels(params) -> list:
+    """Every linear layer's kernel, in the params' order: a float [in, out] array, or a
+    ``QKernel`` ([out, in]: int8, or a float weight kept for decoding)."""
     kernels = []
 
     def visit(node):
@@ -106,7 +88,22 @@ def products_ms(cfg, params, B: int) -> float:
                 kernels.append(node["kernel"])
             for child in node.values():
                 visit(child)
-    visit({k: v for k, v in params.items() if k != "embed"})
+    visit(params)
+    return kernels
+
+
+def linear_shapes(params) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer."""
+    return [tuple(k.q.shape[::-1]) if isinstance(k, QKernel) else tuple(k.shape)
+            for k in linear_kernels(params)]
+
+
+def products_ms(cfg, params, B: int) -> float:
+    """The step's weight products alone, for ``B`` rows, in the format's own form (the model's
+    dispatch: ``qmatmul`` for a quantized or [out, in] node, a plain product for a float kernel),
+    one after the other in one jit (best of 10): what XLA:CPU's product code reaches over
+    exactly the weight bytes a step reads, without attention, norms or the cache."""
+    kernels = linear_kernels(params)
     n_in = [k.q.shape[1] if isinstance(k, QKernel) else k.shape[0] for k in kernels]
     if cfg.tie_embeddings:  # the table [vocab, dim] is the head: [out, in], as the model reads it
         kernels.append(params["embed"]["embedding"])

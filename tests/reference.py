@@ -250,8 +250,8 @@ class NaiveEvictStream(NaiveStream):
 
 def rounded_weights(params, dtype: str) -> dict:
     """The float model with its linear kernels and embedding table rounded to ``dtype`` and kept
-    float32 [in, out]: what a weight store in that dtype (quant.decode_weights) must compute, through the
-    plain float path."""
+    float32 [in, out]: what a weight store in that dtype (quant.decode_weights) must compute,
+    through the plain float path."""
     import jax.numpy as jnp
     from jaxllm import tree
     return tree.unflatten({k: jnp.asarray(v).astype(dtype).astype(jnp.float32)

@@ -144,7 +144,7 @@ def test_decode_loops_read_narrow_weights_in_place(weights):
                                stepwise=True)
         return [f.compile().memory_analysis().temp_size_in_bytes for f in (gen, nll)]
 
-    copy = sum(x.nbytes for x in jax.tree.leaves(params))
+    copy = sum(x.nbytes for x in jax.tree.leaves(params))  # a float32 copy of the weights
     for name, narrow_b, float_b in zip(("generate", "stepwise nll"), temp_bytes(narrow),
                                        temp_bytes(params)):
         assert narrow_b < float_b + copy / 4, (name, narrow_b, float_b, copy)

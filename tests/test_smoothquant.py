@@ -166,14 +166,14 @@ def test_decode_weights_equal_the_model_with_rounded_weights(cfg, dtype, B):
     float32 rounding; 2-byte weights take half the bytes."""
     params = jax.tree.map(lambda x: x * 4 if x.ndim == 2 else x,  # O(1) logits
                           jaxllm.init_params(cfg, jax.random.key(3)))
-    half, ref = quant.decode_weights(params, dtype), rounded_weights(params, dtype)
-    k = half["layer_0"]["mlp"]["down"]["kernel"]
+    stored, ref = quant.decode_weights(params, dtype), rounded_weights(params, dtype)
+    k = stored["layer_0"]["mlp"]["down"]["kernel"]
     assert (k.q.dtype, k.q.shape) == (jnp.dtype(dtype), params["layer_0"]["mlp"]["down"]["kernel"].T.shape)
     nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))  # noqa: E731
-    assert nbytes(half) / nbytes(params) < (0.55 if dtype != "float32" else 1.01)
+    assert nbytes(stored) / nbytes(params) < (0.55 if dtype != "float32" else 1.01)
     toks = IDS[3000:3000 + 14 * B].reshape(B, 14)
     got, want = [], []
-    for p, out in ((half, got), (ref, want)):
+    for p, out in ((stored, got), (ref, want)):
         cache = jaxllm.init_cache(cfg, B, sinks=2, window=6)
         logits, cache = jaxllm.forward(p, cfg, toks[:, :12], cache)
         out.append(logits)

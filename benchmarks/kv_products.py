@@ -3,19 +3,21 @@ the write of the new token, the scores (keys) and the values product, Pythia-160
 shapes (12 KV heads of 64, one query head each, scored at its 3 RoPE rotations as jaxllm's step
 does), batch 1 and 8.
 
-Why: a bfloat16 cache halves the bytes a step reads, but on this CPU its step is slower than a
-float32 cache's at 4+4092 (roofline runs 9-10). This splits the step into its three cache
+Why: a bfloat16 cache halves the bytes a step reads, but on this CPU its step was slower than a
+float32 cache's at 4+4092 (roofline runs 9-11). This splits the step into its three cache
 passes and times the forms each could take, so the gap is located and the next form to try is
 measured, not guessed:
 
-- write: a float32 scatter (in place); bfloat16 as a select against the slot (jaxllm's form:
-  one pass over the layer); bfloat16 through the layer's bits as uint32 pairs (an in-place
-  32-bit scatter between two bitcasts).
+- write: a float32 scatter (in place); bfloat16 as a select against the slot (jaxllm's form
+  before cache.Bf16Bits: one pass over the layer); bfloat16 through the layer's bits as uint32
+  pairs (an in-place 32-bit scatter between two bitcasts); the uint16 bits of a bfloat16 layer
+  scattered in place (jaxllm's form: cache.Bf16Bits).
 - keys: ``k [N, C, Dh] . q [N, rows, Dh]`` contracting Dh, the query rows padded to 4; bfloat16
-  with the query as three exact bfloat16 terms (``quant.bf16_terms``, jaxllm's form).
-- values: ``p [N, rows, C] . v [N, C, Dh]`` contracting C; bfloat16 as three terms (jaxllm's
-  form); the same in groups of 12 heads; widened to float32 first; and values stored
-  transposed, ``v [N, Dh, C]``, in the keys' form.
+  with the query as three exact bfloat16 terms (``bf16_terms`` below, jaxllm's form before);
+  the bits widened to float32 a few heads at a time (``model._by_head_groups``, jaxllm's form).
+- values: ``p [N, rows, C] . v [N, C, Dh]`` contracting C; bfloat16 as three terms (the form
+  before); the same in groups of 12 heads; widened to float32 first; values stored transposed,
+  ``v [N, Dh, C]``, in the keys' form; the bits by head groups (jaxllm's form).
 
     python benchmarks/kv_products.py
 """
@@ -31,9 +33,30 @@ from _record import best_ms, record  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxllm.quant import bf16_terms, sum_terms  # noqa: E402
+from jaxllm.cache import to_bits  # noqa: E402
+from jaxllm.model import _by_head_groups  # noqa: E402
 
 HEADS, DH = 12, 64
+
+
+def bf16_terms(x):
+    """float32 ``x`` [..., r, d] as three bfloat16 row blocks [hi; mid; lo] whose float32 sum is
+    exactly ``x`` (each keeps the next 8 significant bits, cut by masking): the form jaxllm's
+    decode step took over a bfloat16 cache before cache.Bf16Bits, one bfloat16 x bfloat16
+    product of three times the rows."""
+    parts = []
+    for _ in range(3):
+        top = jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+        parts.append(top.astype(jnp.bfloat16))
+        x = x - top
+    return jnp.concatenate(parts, axis=-2)
+
+
+def sum_terms(y, rows: int, axis: int):
+    """The three result blocks of a bf16_terms product (``rows`` each on ``axis``) added."""
+    part = lambda i: jax.lax.slice_in_dim(y, i * rows, (i + 1) * rows, axis=axis)  # noqa: E731
+    return (part(0) + part(1)) + part(2)
 
 
 def dot(a, b, ca: int, cb: int):
@@ -65,6 +88,7 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
     ks = jax.random.split(jax.random.key(0), 4)
     k32, v32 = (jax.random.normal(k, (N, C, dh)) for k in ks[:2])
     k16, v16 = k32.astype(jnp.bfloat16), v32.astype(jnp.bfloat16)
+    kbits, vbits = to_bits(k32), to_bits(v32)
     vt16 = jnp.swapaxes(v16, 1, 2)  # [N, Dh, C]
     q = jax.random.normal(ks[2], (N, q_rows, dh))
     p = jax.nn.softmax(jax.random.normal(ks[3], (N, p_rows, C)), -1)
@@ -93,26 +117,35 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
     return {
         ("write", "float32 scatter"): (
             lambda l, s, x: l.at[jnp.arange(N), s].set(x, mode="drop"), (k32, slot, new)),
-        ("write", "bfloat16 select (jaxllm)"): (write_select, (k16, slot, new)),
+        ("write", "bfloat16 select (before)"): (write_select, (k16, slot, new)),
         ("write", "bfloat16 as uint32 pairs"): (write_pairs, (k16, slot, new)),
+        ("write", "bfloat16 bits scatter (jaxllm)"): (
+            lambda l, s, x: l.at[jnp.arange(N), s].set(to_bits(x), mode="drop"),
+            (kbits, slot, new)),
         ("keys", "float32"): (lambda k, q: dot(k, pad4(q), 2, 2), (k32, q)),
-        ("keys", "bfloat16, 3 terms (jaxllm)"): (
+        ("keys", "bfloat16, 3 terms (before)"): (
             lambda k, q: sum_terms(dot(k, pad4(bf16_terms(q)), 2, 2), q_rows, 2), (k16, q)),
+        ("keys", "bfloat16 bits by head groups (jaxllm)"): (
+            lambda k, q: _by_head_groups(lambda q, k: dot(k, q, 2, 2), pad4(q), k), (kbits, q)),
         ("values", "float32"): (lambda p, v: dot(p, v, 2, 1), (p, v32)),
-        ("values", "bfloat16, 3 terms (jaxllm)"): (
+        ("values", "bfloat16, 3 terms (before)"): (
             lambda p, v: sum_terms(dot(bf16_terms(p), v, 2, 1), p_rows, 1), (p, v16)),
         ("values", "bfloat16, 3 terms, 12 heads a product"): (values_groups, (p, v16)),
         ("values", "bfloat16 widened to float32"): (
             lambda p, v: dot(p, v.astype(jnp.float32), 2, 1), (p, v16)),
         ("values", "bfloat16 stored [Dh, C], keys' form"): (
             lambda p, v: sum_terms(dot(v, pad4(bf16_terms(p)), 2, 2), p_rows, 2), (p, vt16)),
+        ("values", "bfloat16 bits by head groups (jaxllm)"): (
+            lambda p, v: _by_head_groups(lambda p, v: dot(p, v, 2, 1), p, v), (p, vbits)),
     }
 
 
-# The forms jaxllm's decode step takes (model._decode_attend, cache.write_token), by cache dtype.
+# The forms jaxllm's decode step takes (model._decode_attend, cache.write_token), by cache dtype
+# (a bfloat16 cache on CPU: cache.Bf16Bits).
 JAXLLM_FORMS = {"float32": ("float32 scatter", "float32", "float32"),
-                "bfloat16": ("bfloat16 select (jaxllm)", "bfloat16, 3 terms (jaxllm)",
-                             "bfloat16, 3 terms (jaxllm)")}
+                "bfloat16": ("bfloat16 bits scatter (jaxllm)",
+                             "bfloat16 bits by head groups (jaxllm)",
+                             "bfloat16 bits by head groups (jaxllm)")}
 
 
 def step_passes_ms(N: int, C: int, dtype: str, q_rows: int, p_rows: int, dh: int) -> float:

@@ -56,11 +56,67 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, UInt16
 
 from .config import ModelConfig
 from .evict import Evict, empty_scores
 from .kvquant import KVQuant, empty_kivi, empty_store
+
+
+def to_bits(x: Float[Array, "..."]) -> UInt16[Array, "..."]:
+    """``x`` rounded to bfloat16, as its 16-bit patterns."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+
+
+def widen_bits(bits: UInt16[Array, "..."]) -> Float[Array, "..."]:
+    """bfloat16 bit patterns as the float32 values they stand for (exact: the top half of a
+    float32 is a bfloat16)."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
+
+
+@struct.dataclass
+class Bf16Bits:
+    """A layer of a bfloat16 cache on CPU: its keys or values [B, n, C, h] kept as their 16-bit
+    patterns (uint16). :func:`init_cache` stores a bfloat16 cache this way on CPU; on other
+    backends a bfloat16 cache is a plain bfloat16 array.
+
+    Why: XLA:CPU has no bfloat16 arithmetic. Its float normalization widens the whole operand
+    of every bfloat16 op to float32 (a dot's, a scatter's, a dynamic slice's, even a bitcast's),
+    so a decode step over a bfloat16 layer wrote a fresh float32 copy of it, at this VM's
+    page-fault rate: at 4,096 slots and batch 8 the values product took 37-47 ms a layer
+    against float32's 4-6 (docs/BENCHMARKS.md, KV cache passes by form). Integer arrays are left
+    alone: a decode step scatters its token into the bits in place and widens them (a shift,
+    exact) a few heads at a time (model._decode_attend), 2-3 ms a layer there.
+
+    To everything else it is a store (kvquant's interface): ``read`` gives the bfloat16 array
+    and ``stored`` rounds a chunk to bfloat16, so a bits cache and a bfloat16 array attend to
+    and keep the same numbers.
+    """
+
+    bits: UInt16[Array, "b n c h"]
+
+    reads_before_write = False
+
+    @property
+    def shape(self) -> tuple:
+        return self.bits.shape
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.bfloat16)
+
+    def read(self, lay=None) -> Float[Array, "b n c h"]:
+        return jax.lax.bitcast_convert_type(self.bits, jnp.bfloat16)
+
+    def stored(self, chunk: Float[Array, "b n t h"]) -> Float[Array, "b n t h"]:
+        return chunk.astype(jnp.bfloat16)
+
+    def write(self, chunk: Float[Array, "b n t h"], lay, scatter) -> "Bf16Bits":
+        return self.replace(bits=scatter(self.bits, to_bits(chunk)))
+
+    def select(self, chunk: Float[Array, "b n t h"], idx: Int[Array, "b n c"]) -> "Bf16Bits":
+        both = jnp.concatenate([self.bits, to_bits(chunk)], axis=2)
+        return self.replace(bits=jnp.take_along_axis(both, idx[..., None], axis=2))
 
 
 @struct.dataclass
@@ -77,7 +133,7 @@ class KVCache:
     ``length`` then counts the kept tokens (saturating at ``capacity - 1``), ``head`` is unused.
     """
 
-    k: tuple  # per layer: Float[Array, "b n c h"], or a kvquant store of that shape
+    k: tuple  # per layer: Float[Array, "b n c h"], or a store of that shape (Bf16Bits, kvquant)
     v: tuple
     length: Int[Array, " b"]
     head: Int[Array, " b"]
@@ -159,6 +215,8 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
 
     ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
     ``sinks=0`` gives window attention; ``sinks=0, window=L, evict=False`` a dense cache of L tokens.
+    ``dtype``: float32, bfloat16 or float16; a bfloat16 cache on CPU keeps its layers as their
+    uint16 bits (:class:`Bf16Bits`: XLA:CPU's bfloat16 ops are slow), elsewhere as bfloat16.
     ``kv_quant``: store keys and values in int8 or k-bit codes (jaxllm.kvquant; the sinks stay in
     ``dtype``), for any of these policies.
     ``evict_by``: H2O or Q-Hitter (jaxllm.evict) keeping ``sinks + heavy + recent`` tokens; the
@@ -188,6 +246,8 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
 
     def layer(values: bool = False):
         if not kv_quant.enabled:
+            if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
+                return Bf16Bits(jnp.zeros(shape, jnp.uint16))  # see Bf16Bits
             return jnp.zeros(shape, dtype)
         if kv_quant.format == "kivi":
             return empty_kivi(kv_quant, batch, cfg.num_kv_heads, sinks + window, sinks,
@@ -326,7 +386,7 @@ def write_chunk(cache_k: Float[Array, "b n c h"], chunk_k: Float[Array, "b n t h
 
 
 def _is_store(layer_kv) -> bool:
-    return not isinstance(layer_kv, jax.Array) and hasattr(layer_kv, "spec")
+    return not isinstance(layer_kv, jax.Array) and hasattr(layer_kv, "read")
 
 
 def read_layer(layer_kv, lay: ChunkLayout) -> Float[Array, "b n c h"]:
@@ -407,22 +467,16 @@ def write_token(layer_kv, x: Float[Array, "b n 1 h"], lay: ChunkLayout):
     with the update, which made it copy the layer four times per step (3.5 ms against 0.35 for
     one layer's keys at 4096 slots, benchmarks/roofline.py's model).
     """
+    if isinstance(layer_kv, Bf16Bits):  # in place; model._decode_attend widens what it reads
+        bits, read = write_token(layer_kv.bits, to_bits(x), lay)
+        return layer_kv.replace(bits=bits), read
     if _is_store(layer_kv):
         new = write_layer(layer_kv, x, lay)
         read = read_layer(new, lay)
         return new, read.reshape((-1,) + read.shape[2:])
     B, n, C, h = layer_kv.shape
     flat = layer_kv.reshape(B * n, C, h)
-    new = x.reshape(B * n, 1, h).astype(layer_kv.dtype)
-    if layer_kv.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        # XLA:CPU computes a bfloat16 scatter or dynamic_update_slice in float32: it widens
-        # the whole layer and narrows it back element by element (14 ms a step for
-        # Pythia-160M's 12 layers of keys at 4096 slots; through the layer's uint16 bits, two
-        # copies). A select against the slot index is the same write as one vectorized pass.
-        # (GPUs scatter bfloat16 in place.)
-        slot = jnp.repeat(lay.write_slot[:, :1], n, axis=0)[:, :, None]  # [B * n, 1, 1]
-        merged = jnp.where(jnp.arange(C)[None, :, None] == slot, new, flat)  # S+W: no slot
-    else:
-        slot = jnp.repeat(lay.write_slot[:, 0], n)  # [B * n]; S+W (not written) is dropped
-        merged = flat.at[jnp.arange(B * n), slot].set(new[:, 0], mode="drop")
+    slot = jnp.repeat(lay.write_slot[:, 0], n)  # [B * n]; S+W (not written) is dropped
+    merged = flat.at[jnp.arange(B * n), slot].set(x.reshape(B * n, h).astype(flat.dtype),
+                                                  mode="drop")
     return merged.reshape(B, n, C, h), merged

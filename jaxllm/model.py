@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, UInt16
 
 from pallas_kernels.reference import computed_once
 
@@ -17,8 +17,7 @@ from . import cache as kvc
 from . import evict
 from .config import ModelConfig
 from .policy import check_positions
-from .quant import (QAttention, QKernel, absmax_scale, bf16_terms, pv, qk_scores, qmatmul,
-                    sum_terms)
+from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
 from .rope import Rotation, apply_rope, inv_freq
 from .rope import rotation as _rotation
 
@@ -139,13 +138,36 @@ def _softmax(scores, mask, cfg: ModelConfig):
     return jax.nn.softmax(scores, axis=-1)
 
 
+# The float32 copy of bfloat16 bits one step of _by_head_groups widens: a few MiB, so that it
+# is reused from the caches and the heap (a copy over glibc's 32 MiB mmap threshold is fresh
+# memory every step, faulted in page by page on this VM).
+WIDEN_BYTES = 4 << 20
+
+
+def _by_head_groups(fn: Callable, x: Float[Array, "n ..."], bits: UInt16[Array, "n c h"]
+                    ) -> Array:
+    """``fn(x, float32 values of bits)`` batched over axis 0 (batch x KV heads), in groups of
+    heads whose float32 copy fits WIDEN_BYTES, one group per iteration of a loop: XLA:CPU
+    then widens each group into the same small buffer instead of the whole layer into new
+    memory (cache.Bf16Bits). Exact: the products are float32 products of the widened values."""
+    N = bits.shape[0]
+    per_head = bits[0].size * 4
+    g = max(d for d in range(1, N + 1) if N % d == 0 and (d == 1 or d * per_head <= WIDEN_BYTES))
+    if g == N:
+        return fn(x, kvc.widen_bits(bits))
+    groups = x.reshape(N // g, g, *x.shape[1:]), bits.reshape(N // g, g, *bits.shape[1:])
+    out = jax.lax.map(lambda a: fn(a[0], kvc.widen_bits(a[1])), groups)
+    return out.reshape(N, *out.shape[2:])
+
+
 def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
                    int8_att: Optional[QAttention] = None):
     """One query per row against the whole cache after the step's write (cache.token_view).
 
-    q [B, 1, H, Dh]; k, v [B * KVH, C, Dh] (cache.write_token's reads). The query is rotated at
-    its three positions (sinks, this lap, last lap), all three are scored against every slot in
-    one product, and each slot keeps the score ``plan.pick`` names: the keys are read once and,
+    q [B, 1, H, Dh]; k, v [B * KVH, C, Dh] (cache.write_token's reads: float arrays, or the
+    uint16 bits of a bfloat16 cache on CPU, cache.Bf16Bits). The query is rotated at its three
+    positions (sinks, this lap, last lap), all three are scored against every slot in one
+    product, and each slot keeps the score ``plan.pick`` names: the keys are read once and,
     when stored rotated, never rotated again.
     """
     B, _, H, Dh = q.shape
@@ -154,6 +176,8 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
     rope = plan.q.cos is not None
     R = 3 if rope else 1  # without RoPE the three positions give the same query
     q = apply_rope(jnp.broadcast_to(q, (B, R, H, Dh)), plan.q.part(0, R))
+    if plan.keys.cos is not None or int8_att is not None:  # these read float keys (and values)
+        k, v = (kvc.widen_bits(x) if x.dtype == jnp.uint16 else x for x in (k, v))
     if plan.keys.cos is not None:  # pre-RoPE keys (quantized stores, dynamic NTK)
         k = apply_rope(k.reshape(B, KVH, C, Dh), plan.keys, head_major=True).reshape(k.shape)
     q = q.reshape(B, R, KVH, G, Dh)
@@ -165,20 +189,15 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         # hands a product of several query rows to YNNPACK, which took 2.7 ms per layer for
         # 3 rows at 4096 slots and 1.2 in this form (Pythia-160M, 4+4092, batch 1: 64 ms a
         # step against 45-50, and 42 for one row alone, which would be wrong).
-        # A bfloat16 cache is read as stored, the query split into three bfloat16 terms
-        # (quant.bf16_terms: the float32 product, without a float32 copy of the keys).
         rows = R * G
         qm = q.transpose(0, 2, 1, 3, 4).reshape(B * KVH, rows, Dh).astype(jnp.float32)
-        narrow = k.dtype == jnp.bfloat16
-        if narrow:
-            qm = bf16_terms(qm)
-        else:
-            k = k.astype(jnp.float32)
-        qm = jnp.pad(qm, ((0, 0), (0, -qm.shape[1] % 4 if qm.shape[1] > 1 else 0), (0, 0)))
-        s = jax.lax.dot_general(k, qm, (((2,), (2,)), ((0,), (0,))),
-                                preferred_element_type=jnp.float32)  # [B*KVH, C, rows (x3)]
-        s = sum_terms(s, rows, 2) if narrow else s[..., :rows]
-        s = s.transpose(0, 2, 1).reshape(B, KVH, R, G, C)
+        qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
+
+        def scores(qm, k):
+            return jax.lax.dot_general(k.astype(jnp.float32), qm, (((2,), (2,)), ((0,), (0,))),
+                                       preferred_element_type=jnp.float32)  # [N, C, rows+pad]
+        s = _by_head_groups(scores, qm, k) if k.dtype == jnp.uint16 else scores(qm, k)
+        s = s[..., :rows].transpose(0, 2, 1).reshape(B, KVH, R, G, C)
     s = s / math.sqrt(Dh)
     pick = plan.pick[:, None, None, :]  # [B, 1, 1, C]
     s = s[:, :, 0] if R == 1 else jnp.where(pick == 0, s[:, :, 0],
@@ -191,13 +210,11 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         p = probs[:, :, :, None]  # [B, KVH, G, 1, C]
         out = pv(p, v.reshape(B, KVH, C, Dh).astype(jnp.float32), absmax_scale(p, -1, True),
                  int8_att.real)
-    elif v.dtype == jnp.bfloat16:  # as the keys: one product over three bfloat16 terms
-        out = jax.lax.dot_general(bf16_terms(probs.reshape(B * KVH, G, C)), v,
-                                  (((2,), (1,)), ((0,), (0,))),
-                                  preferred_element_type=jnp.float32)  # [B*KVH, 3G, Dh]
-        out = sum_terms(out, G, 1)
     else:
-        out = jnp.einsum("nrs,nsh->nrh", probs.reshape(B * KVH, G, C), v.astype(jnp.float32))
+        def values(p, v):
+            return jnp.einsum("nrs,nsh->nrh", p, v.astype(jnp.float32))
+        p = probs.reshape(B * KVH, G, C)
+        out = _by_head_groups(values, p, v) if v.dtype == jnp.uint16 else values(p, v)
     return out.reshape(B, 1, H, Dh)
 
 

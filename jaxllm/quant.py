@@ -272,38 +272,6 @@ class QAttention:
     real: bool = struct.field(pytree_node=False, default=True)
 
 
-def bf16_terms(x: Float[Array, "... r d"]) -> Array:
-    """``x`` (float32) as three bfloat16 row blocks [hi; mid; lo] ([..., 3r, d]) whose float32
-    sum is exactly ``x``: each block keeps the next 8 significant bits, cut by masking the bits,
-    so no rounding and no simplification of a float32 -> bfloat16 -> float32 pair can lose them.
-
-    A product of a small float32 operand with a large bfloat16 array (decode attention over a
-    bfloat16 KV cache) then runs as one bfloat16 x bfloat16 product of three times the rows:
-    every partial product is exact in float32, and the sum of the three result blocks is the
-    float32 product up to the order of float32 accumulation. XLA:CPU widens a bfloat16 operand
-    of a float32 product into a float32 copy in memory first (2 bytes read and 4 written per
-    element, then 4 read again); this form reads the 2-byte array once.
-
-    Exact for |x| >= 2^-100; below about 2^-110 the residuals are float32 subnormals, which
-    XLA:CPU flushes to zero (an absolute error under 2^-126: nothing, for attention's queries
-    and probabilities).
-    """
-    parts = []
-    for _ in range(3):
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
-        top = jax.lax.bitcast_convert_type(bits, jnp.float32)
-        parts.append(top.astype(jnp.bfloat16))  # exact: top has at most 8 significant bits
-        x = x - top  # exact in float32
-    return jnp.concatenate(parts, axis=-2)
-
-
-def sum_terms(y: Float[Array, "..."], rows: int, axis: int) -> Float[Array, "..."]:
-    """The three result blocks of a :func:`bf16_terms` product (each ``rows`` long on
-    ``axis``; anything after them is padding) added: hi + mid + lo."""
-    part = lambda i: jax.lax.slice_in_dim(y, i * rows, (i + 1) * rows, axis=axis)  # noqa: E731
-    return (part(0) + part(1)) + part(2)
-
-
 def _int8_einsum(eq: str, a: Array, b: Array, real: bool) -> Array:
     if real:  # exact int32 (contractions padded: see int8_einsum)
         return pallas_kernels.reference.int8_einsum(eq, a, b).astype(jnp.float32)

@@ -8,19 +8,27 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import kv_products  # noqa: E402
 
+from jaxllm.cache import to_bits, widen_bits  # noqa: E402
+
 
 def test_kv_products_forms_compute_the_same_pass():
     """Every write form leaves the layer a naive per-row write would; every keys and values form
     gives the float64 product of the same (bfloat16-rounded, for bfloat16 forms) operands."""
     N, C, q_rows, p_rows, dh = 4, 32, 3, 1, 8
     forms = kv_products.forms(N, C, q_rows, p_rows, dh)
-    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+
+    def f64(a):  # float32 values; a bfloat16 layer's uint16 bits (cache.Bf16Bits) as values
+        a = jnp.asarray(a)
+        return np.asarray(widen_bits(a) if a.dtype == jnp.uint16 else a.astype(jnp.float32),
+                          np.float64)
     for (step, form), (fn, args) in forms.items():
         got = f64(fn(*args))
         if step == "write":
             layer, slot, new = (np.asarray(a) for a in args)
             want = np.array(f64(layer))
-            want[np.arange(N), slot] = f64(jnp.asarray(new).astype(layer.dtype))
+            new = jnp.asarray(new)
+            want[np.arange(N), slot] = f64(to_bits(new) if layer.dtype == np.uint16 else
+                                           new.astype(layer.dtype))
         elif step == "keys":  # [N, C, q_rows (padded)]
             k, q = f64(args[0]), f64(args[1])
             want = np.einsum("nch,nrh->ncr", k, q)

@@ -294,7 +294,8 @@ def test_long_prompt_in_one_call_keeps_rotation_angles_bounded(name):
 def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
     """A one-layer model's keys and values do not depend on the cache, so after a chunk and
     decode steps past a full ring (batch 2), a 2-byte cache holds exactly the float32 cache's
-    entries rounded to its dtype (a bfloat16 decode step writes by a select, cache.write_token)."""
+    entries rounded to its dtype (a bfloat16 cache on CPU as its bits, cache.Bf16Bits)."""
+    from jaxllm import cache as kvc
     cfg = dataclasses.replace(LLAMA, num_layers=1)
     params = jaxllm.init_params(cfg, jax.random.key(2))
     toks = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 14))
@@ -309,31 +310,17 @@ def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
                  (caches[jnp.float32].v[0], caches[dtype].v[0])):
         assert b.dtype == dtype
         np.testing.assert_array_equal(np.asarray(a.astype(dtype), np.float32),
-                                      np.asarray(b, np.float32))
-
-
-MAGNITUDE = st.floats(2.0 ** -100, 2.0 ** 126, width=32)
-FLOAT32 = st.one_of(st.just(0.0), MAGNITUDE, MAGNITUDE.map(lambda m: -m))
-
-
-@given(st.lists(FLOAT32, min_size=1, max_size=16))
-@settings(max_examples=60, deadline=None)
-def test_bf16_terms_sum_exactly_to_the_float32_value(xs):
-    """quant.bf16_terms: three bfloat16 blocks whose sum, in exact (float64) arithmetic, is the
-    float32 input, from 2^-100 to 2^126 (smaller residuals are subnormal: see its docstring)."""
-    x = jnp.asarray(xs, jnp.float32)[:, None]  # [r, 1]: r rows of one column
-    t = np.asarray(jaxllm.quant.bf16_terms(x), np.float64)  # [3r, 1]
-    r = len(xs)
-    np.testing.assert_array_equal(t[:r] + t[r:2 * r] + t[2 * r:], np.asarray(x, np.float64))
+                                      np.asarray(kvc.read_layer(b, None), np.float32))
 
 
 @pytest.mark.parametrize("family", ["neox", "llama"])
 def test_decode_over_a_bfloat16_cache_is_the_float32_product(family):
-    """A decode step reads a bfloat16 cache as stored (query and probabilities split into
-    bfloat16 terms, model._decode_attend): on the same bfloat16 keys and values, widened to
-    float32 for the float32 path, both give the same output to float32 rounding (rounding the
-    query or the probabilities to bfloat16 instead would be ~1e-3 off), on a ring past a lap."""
+    """A decode step reads a bfloat16 cache on CPU as its uint16 bits (cache.Bf16Bits), widened
+    a few heads at a time (model._by_head_groups): on the same bfloat16 keys and values,
+    widened to float32 for the float32 path, both give the same output to float32 rounding, on
+    a ring past a lap; also with groups of one head (a loop over all of them)."""
     from jaxllm import cache as kvc
+    from jaxllm import model
     from jaxllm.model import _decode_attend, attn_plan
     from jaxllm.rope import inv_freq
     cfg = CFGS[family]
@@ -348,6 +335,9 @@ def test_decode_over_a_bfloat16_cache_is_the_float32_product(family):
     shape = (B * cfg.num_kv_heads, S + W, cfg.head_dim)
     k, v = (jnp.asarray(rng.standard_normal(shape) * 3, jnp.bfloat16) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((B, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
-    narrow = _decode_attend(q, k, v, plan, cfg)
     wide = _decode_attend(q, k.astype(jnp.float32), v.astype(jnp.float32), plan, cfg)
-    np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=0, atol=2e-6)
+    for budget in (model.WIDEN_BYTES, 1):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model, "WIDEN_BYTES", budget)
+            narrow = _decode_attend(q, kvc.to_bits(k), kvc.to_bits(v), plan, cfg)
+        np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=0, atol=2e-6)

@@ -113,6 +113,7 @@ def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024) -> None:
     p.add_argument("--cache", type=int, default=cache, help="cache size = sinks + window")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
     add_kv_args(p)
+    add_kv_dtype_arg(p)
     add_evict_args(p)
 
 
@@ -148,6 +149,13 @@ KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in f
            "4); kivi (keys per channel in groups of --kv-group tokens, values per token, the "
            "last --kv-residual tokens in full precision: --kv-quant kivi --kv-bits 2; the "
            "window must be a multiple of --kv-residual)")
+
+
+def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the KV cache's float dtype (a quantized cache's sinks): bfloat16 halves "
+                        "its bytes; on a CPU, Pythia-160M decodes with a bfloat16 cache and "
+                        "bfloat16 weights at 1.1-2.2x float32's speed (docs/BENCHMARKS.md)")
 
 
 def add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -186,7 +194,7 @@ def policy(a):
     from .policy import CachePolicy
     try:
         return CachePolicy.of(a.method, a.sinks, a.cache, a.chunk, evict_kv(a),
-                              **evict_budgets(a))
+                              kv_dtype=a.kv_dtype, **evict_budgets(a))
     except ValueError as e:
         raise CliError(flag_names(e)) from None
 
@@ -382,6 +390,7 @@ def add_generate(sub) -> None:
     p.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     add_kv_args(p)
+    add_kv_dtype_arg(p)
     add_evict_args(p)
     add_weights_arg(p)
     p.set_defaults(fn=cmd_generate)
@@ -401,13 +410,13 @@ def cmd_generate(a) -> None:
         sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)
         pc = CachePolicy.of(a.method, a.sinks, a.cache, kv_quant=evict_kv(a),
-                            **evict_budgets(a))
+                            kv_dtype=a.kv_dtype, **evict_budgets(a))
         if not can_stream(cfg):
             if a.method != "streaming":
                 check_streamable(cfg, pc)  # position rolling needs RoPE or ALiBi: refuse
             print(f"note: {cfg.family} cannot stream; using a dense cache of {a.cache} tokens",
                   file=sys.stderr)
-            pc = CachePolicy("dense", 0, a.cache, kv_quant=pc.kv_quant)
+            pc = CachePolicy("dense", 0, a.cache, kv_quant=pc.kv_quant, kv_dtype=pc.kv_dtype)
         # Fractional budgets are of the (first) prompt, as the authors' ratio of prompt length.
         pc = pc.resolve(len(tok.encode(a.prompt[0])))
         cache = pc.make_cache(cfg, 1, a.cache)

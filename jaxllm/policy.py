@@ -40,6 +40,7 @@ STREAMING = ("window", "streaming") + SCORED  # positions assigned within the ca
 _NAMES = {"dense": "dense", "window": "window", "recompute": "recompute",
           "streaming": "StreamingLLM", "h2o": "H2O", "qhitter": "Q-Hitter"}
 QHITTER_KV = KVQuant("token", bits=4, group=0)  # the authors' quantizer: 4 bits, whole head
+KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +61,16 @@ class CachePolicy:
     recent: Optional[float] = None
     heavy_attn: Optional[float] = None
     lam: float = 0.5  # qhitter's λ (h2o is λ = 1)
+    # the float dtype of a float cache (of a quantized one's sinks): float32, bfloat16 or
+    # float16; a bfloat16 cache on a CPU keeps its bits as uint16 (jaxllm.cache.Bf16Bits)
+    kv_dtype: str = "float32"
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got "
+                             f"{self.kv_dtype!r}")
         for name in ("heavy", "recent", "heavy_attn"):
             x = getattr(self, name)
             if x is not None and (x < 0 or (x != int(x) and not 0 < x < 1)):
@@ -99,7 +106,8 @@ class CachePolicy:
 
     @classmethod
     def of(cls, method: str = "streaming", sinks: Optional[int] = None, cache: int = 1024,
-           chunk: int = 256, kv_quant: KVQuant = KVQuant(), **budgets) -> "CachePolicy":
+           chunk: int = 256, kv_quant: KVQuant = KVQuant(), kv_dtype: str = "float32",
+           **budgets) -> "CachePolicy":
         """``sinks=None``: StreamingLLM's 4 for ``streaming``, none for the others (the H2O and
         Q-Hitter authors keep none). ``qhitter`` without a KV format stores 4-bit codes per
         token over the whole head (the authors' quantizer). ``budgets``: heavy, recent,
@@ -108,7 +116,7 @@ class CachePolicy:
             sinks = 4 if method == "streaming" else 0
         if method == "qhitter" and not kv_quant.enabled:
             kv_quant = QHITTER_KV
-        return cls(method, sinks, cache, chunk, kv_quant, **budgets)
+        return cls(method, sinks, cache, chunk, kv_quant, kv_dtype=kv_dtype, **budgets)
 
     @property
     def is_fraction(self) -> bool:
@@ -178,12 +186,16 @@ class CachePolicy:
             e = self.evict_spec()
             label = f"{name} {self.sinks}+{e.heavy}+{e.recent}" + (
                 f" (λ {e.lam:g}, {e.attn_only} by attention)" if e.method == "qhitter" else "")
-        return label + (f", KV {self.kv_quant.describe()}" if self.kv_quant.enabled else "")
+        wide = "" if self.kv_dtype == "float32" else self.kv_dtype
+        if self.kv_quant.enabled:
+            return label + f", KV {self.kv_quant.describe()}" + (f" (sinks {wide})" if wide else "")
+        return label + (f", KV {wide}" if wide else "")
 
-    def make_cache(self, cfg: ModelConfig, batch: int, n_tokens: int, dtype=jnp.float32
-                   ) -> KVCache:
+    def make_cache(self, cfg: ModelConfig, batch: int, n_tokens: int, dtype=None) -> KVCache:
         """The KV cache that streams ``n_tokens`` tokens under this policy (a dense cache holds
-        them all; recompute keeps none between predictions, so it has no cache)."""
+        them all; recompute keeps none between predictions, so it has no cache), in ``dtype``
+        (default: ``kv_dtype``)."""
+        dtype = jnp.dtype(self.kv_dtype if dtype is None else dtype)
         if self.method == "recompute":
             raise ValueError("recompute re-runs the model on every window: it keeps no cache")
         if self.method == "dense":

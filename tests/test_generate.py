@@ -37,6 +37,22 @@ def test_greedy_matches_hand_loop_with_padding_and_wraparound():
     assert cache.k[0].is_deleted()  # donated: the loop updated the cache in place
 
 
+def test_bfloat16_cache_generates_in_place():
+    """A bfloat16 cache (on CPU its uint16 bits, cache.Bf16Bits) through the one-jit loop: the
+    greedy tokens of the per-token Python loop, the same cache contents, and its bits donated."""
+    prompt, sc = np.asarray([[5, 9, 11, 2], [3, 4, 6, 1]]), jaxllm.SamplingConfig(max_new_tokens=14)
+    caches = [jaxllm.init_cache(LLAMA, 2, sinks=2, window=6, dtype=jnp.bfloat16) for _ in "ab"]
+    a = jaxllm.generate(PARAMS, LLAMA, prompt, caches[0], sc)
+    b = jaxllm.generate_python(PARAMS, LLAMA, prompt, caches[1], sc)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v):
+        assert x.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(x.read(), np.float32),
+                                      np.asarray(y.read(), np.float32))
+    if jax.default_backend() == "cpu":
+        assert caches[0].k[0].bits.is_deleted()
+
+
 @pytest.mark.parametrize("sc", [
     jaxllm.SamplingConfig(max_new_tokens=12, temperature=0.8),
     jaxllm.SamplingConfig(max_new_tokens=12, temperature=1.0, top_k=5),

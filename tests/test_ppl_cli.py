@@ -87,6 +87,28 @@ def test_cli_ppl_writes_json_and_plot(tmp_path, capsys):
     assert (out / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_kv_dtype(tmp_path):
+    """``--kv-dtype bfloat16`` scores through a bfloat16 cache (its bits on CPU): the API's
+    number for that policy, within bfloat16 rounding of the float32 cache's but not equal to
+    it; the summary and label name it, and a bad dtype is refused by name."""
+    args = ["ppl", "--model", "random:pythia-tiny", "--cache", "24", "--chunk", "8",
+            "--max-tokens", "120", "--quiet"]
+    ppl = {}
+    for dt in ("float32", "bfloat16"):
+        assert main(args + ["--kv-dtype", dt, "--json", str(tmp_path / f"{dt}.json")]) == 0
+        ppl[dt] = json.loads((tmp_path / f"{dt}.json").read_text())
+    assert ppl["bfloat16"]["kv_dtype"] == "bfloat16" and "KV bfloat16" in ppl["bfloat16"]["label"]
+    cfg, params, tok = jaxllm.load_model("random:pythia-tiny")
+    ids = tok.encode(builtin_corpus())[:120]
+    nll = stream_nll(params, cfg, ids, PplConfig(sinks=4, cache=24, chunk=8, kv_dtype="bfloat16"))
+    assert ppl["bfloat16"]["ppl"] == pytest.approx(float(np.exp(nll.astype(np.float64).mean())),
+                                                   rel=1e-5)
+    assert ppl["bfloat16"]["ppl"] != ppl["float32"]["ppl"]
+    assert ppl["bfloat16"]["ppl"] == pytest.approx(ppl["float32"]["ppl"], rel=1e-2)
+    with pytest.raises(ValueError, match="kv dtype must be one of float32, bfloat16, float16"):
+        PplConfig(kv_dtype="int8")
+
+
 @pytest.mark.parametrize("content,args,msg", [
     (b"caf\xe9 au lait", [], "is not UTF-8"),
     (b"  \n", [], "is empty"),

@@ -18,6 +18,8 @@ measured, not guessed:
 - values: ``p [N, rows, C] . v [N, C, Dh]`` contracting C; bfloat16 as three terms (the form
   before); the same in groups of 12 heads; widened to float32 first; values stored transposed,
   ``v [N, Dh, C]``, in the keys' form; the bits by head groups (jaxllm's form).
+- float16 (not widened by XLA:CPU's normalization, so no bits are needed): scattered in place,
+  keys and values widened by head groups (jaxllm's form for a float16 cache).
 
     python benchmarks/kv_products.py
 """
@@ -89,6 +91,7 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
     k32, v32 = (jax.random.normal(k, (N, C, dh)) for k in ks[:2])
     k16, v16 = k32.astype(jnp.bfloat16), v32.astype(jnp.bfloat16)
     kbits, vbits = to_bits(k32), to_bits(v32)
+    kh, vh = k32.astype(jnp.float16), v32.astype(jnp.float16)
     vt16 = jnp.swapaxes(v16, 1, 2)  # [N, Dh, C]
     q = jax.random.normal(ks[2], (N, q_rows, dh))
     p = jax.nn.softmax(jax.random.normal(ks[3], (N, p_rows, C)), -1)
@@ -122,11 +125,16 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
         ("write", "bfloat16 bits scatter (jaxllm)"): (
             lambda l, s, x: l.at[jnp.arange(N), s].set(to_bits(x), mode="drop"),
             (kbits, slot, new)),
+        ("write", "float16 scatter (jaxllm)"): (
+            lambda l, s, x: l.at[jnp.arange(N), s].set(x.astype(l.dtype), mode="drop"),
+            (kh, slot, new)),
         ("keys", "float32"): (lambda k, q: dot(k, pad4(q), 2, 2), (k32, q)),
         ("keys", "bfloat16, 3 terms (before)"): (
             lambda k, q: sum_terms(dot(k, pad4(bf16_terms(q)), 2, 2), q_rows, 2), (k16, q)),
         ("keys", "bfloat16 bits by head groups (jaxllm)"): (
             lambda k, q: _by_head_groups(lambda q, k: dot(k, q, 2, 2), pad4(q), k), (kbits, q)),
+        ("keys", "float16 by head groups (jaxllm)"): (
+            lambda k, q: _by_head_groups(lambda q, k: dot(k, q, 2, 2), pad4(q), k), (kh, q)),
         ("values", "float32"): (lambda p, v: dot(p, v, 2, 1), (p, v32)),
         ("values", "bfloat16, 3 terms (before)"): (
             lambda p, v: sum_terms(dot(bf16_terms(p), v, 2, 1), p_rows, 1), (p, v16)),
@@ -137,6 +145,8 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
             lambda p, v: sum_terms(dot(v, pad4(bf16_terms(p)), 2, 2), p_rows, 2), (p, vt16)),
         ("values", "bfloat16 bits by head groups (jaxllm)"): (
             lambda p, v: _by_head_groups(lambda p, v: dot(p, v, 2, 1), p, v), (p, vbits)),
+        ("values", "float16 by head groups (jaxllm)"): (
+            lambda p, v: _by_head_groups(lambda p, v: dot(p, v, 2, 1), p, v), (p, vh)),
     }
 
 
@@ -145,7 +155,9 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
 JAXLLM_FORMS = {"float32": ("float32 scatter", "float32", "float32"),
                 "bfloat16": ("bfloat16 bits scatter (jaxllm)",
                              "bfloat16 bits by head groups (jaxllm)",
-                             "bfloat16 bits by head groups (jaxllm)")}
+                             "bfloat16 bits by head groups (jaxllm)"),
+                "float16": ("float16 scatter (jaxllm)", "float16 by head groups (jaxllm)",
+                            "float16 by head groups (jaxllm)")}
 
 
 def step_passes_ms(N: int, C: int, dtype: str, q_rows: int, p_rows: int, dh: int) -> float:

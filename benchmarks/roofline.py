@@ -3,14 +3,14 @@
 Decode is bound by the bytes a step must read: every weight once (the embedding table aside,
 which a step reads B rows of, unless it is also the tied head) and every K and V slot of the
 fixed-shape cache (StreamingLLM reads all slots each step, full or not). For each weight format
-(float32; float32 kept [out, in]; bfloat16 weights; bfloat16 weights and KV cache; W8: int8
-weights only; W8A8 O1: int8 weights and per-token int8 activations; all compute in float32 on
-CPU), each cache and batch, the table shows the step time, those bytes, the read ceiling and
-the fraction of it the step reaches. The read ceiling is those bytes at the fastest read rate
-measured in this process: each row's bytes are read by two kernels (a float32 sum and an Eigen
-matrix-vector product, best of 20 each), and a row's bar is the fastest rate that a read of as
-many bytes or more reached in the run, so a busy moment of a shared machine during one row's
-reads does not lower that row's bar.
+(float32; float32 kept [out, in]; bfloat16 weights; bfloat16 weights and KV cache; float16
+weights and KV cache; W8: int8 weights only; W8A8 O1: int8 weights and per-token int8
+activations; all compute in float32 on CPU), each cache and batch, the table shows the step
+time, those bytes, the read ceiling and the fraction of it the step reaches. The read
+ceiling is those bytes at the fastest read rate measured in this process: each row's bytes are
+read by two kernels (a float32 sum and an Eigen matrix-vector product, best of 20 each), and a
+row's bar is the fastest rate that a read of as many bytes or more reached in the run, so a
+busy moment of a shared machine during one row's reads does not lower that row's bar.
 
 Then why a step falls short: the step's weight products alone (every linear layer's product for
 B rows, in the format's own form, chained in one jit, no attention) and the fraction of the
@@ -48,9 +48,10 @@ from jaxllm.model import apply  # noqa: E402
 from jaxllm.policy import CachePolicy  # noqa: E402
 from jaxllm.quant import QKernel, decode_weights, qmatmul  # noqa: E402
 
-FORMATS = ("float32", "f32oi", "bf16", "bf16kv", "w8", "w8a8")
+FORMATS = ("float32", "f32oi", "bf16", "bf16kv", "f16kv", "w8", "w8a8")
 LABELS = {"float32": "float32", "f32oi": "float32 [out, in]", "bf16": "bfloat16 weights",
-          "bf16kv": "bfloat16 weights + KV", "w8": "W8 (int8 weights)", "w8a8": "W8A8 O1"}
+          "bf16kv": "bfloat16 weights + KV", "f16kv": "float16 weights + KV",
+          "w8": "W8 (int8 weights)", "w8a8": "W8A8 O1"}
 
 
 def variant(name: str, cfg, params):
@@ -62,6 +63,8 @@ def variant(name: str, cfg, params):
     if name in ("bf16", "bf16kv"):  # 2-byte weights, stored [out, in] (quant.decode_weights)
         return (cfg, decode_weights(params, "bfloat16"),
                 jnp.bfloat16 if name == "bf16kv" else jnp.float32)
+    if name == "f16kv":
+        return cfg, decode_weights(params, "float16"), jnp.float16
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 4096)
     scheme = {"w8": "w8", "w8a8": "o1"}[name]  # smoothing does not change the speed
     q = sq.quantize(params, cfg, ids, scheme, smooth=False,
@@ -130,7 +133,8 @@ def gemm_ceiling_ms(shapes, T: int, name: str) -> float:
         dot = lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),  # noqa: E731
                                                preferred_element_type=jnp.int32)
     else:
-        dt = jnp.bfloat16 if name.startswith("bf16") else jnp.float32
+        dt = {"bf16": jnp.bfloat16, "bf16kv": jnp.bfloat16, "f16kv": jnp.float16}.get(
+            name, jnp.float32)
         xs = [jnp.ones((T, i), dt) for i, _ in shapes]
         ws = [jnp.ones((i, o), dt) for i, o in shapes]
         dot = jnp.dot

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, UInt16
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.reference import computed_once
 
@@ -138,25 +138,32 @@ def _softmax(scores, mask, cfg: ModelConfig):
     return jax.nn.softmax(scores, axis=-1)
 
 
-# The float32 copy of bfloat16 bits one step of _by_head_groups widens: a few MiB, so that it
+# The float32 copy of a narrow cache one step of _by_head_groups widens: a few MiB, so that it
 # is reused from the caches and the heap (a copy over glibc's 32 MiB mmap threshold is fresh
 # memory every step, faulted in page by page on this VM).
 WIDEN_BYTES = 4 << 20
 
 
-def _by_head_groups(fn: Callable, x: Float[Array, "n ..."], bits: UInt16[Array, "n c h"]
-                    ) -> Array:
-    """``fn(x, float32 values of bits)`` batched over axis 0 (batch x KV heads), in groups of
-    heads whose float32 copy fits WIDEN_BYTES, one group per iteration of a loop: XLA:CPU
-    then widens each group into the same small buffer instead of the whole layer into new
-    memory (cache.Bf16Bits). Exact: the products are float32 products of the widened values."""
-    N = bits.shape[0]
-    per_head = bits[0].size * 4
+def _widen(kv: Array) -> Float[Array, "..."]:
+    """A cache read as float32: a bfloat16 cache's bits (cache.Bf16Bits) or any float array."""
+    return kvc.widen_bits(kv) if kv.dtype == jnp.uint16 else kv.astype(jnp.float32)
+
+
+def _by_head_groups(fn: Callable, x: Float[Array, "n ..."], kv: Array) -> Array:
+    """``fn(x, kv as float32)``, batched over axis 0 (batch x KV heads) by ``fn``. On CPU a
+    narrow ``kv`` (bfloat16 bits, float16) is widened a group of heads at a time, each group's
+    float32 copy at most WIDEN_BYTES, one group per iteration of a loop: XLA:CPU then widens
+    into the same small buffer instead of the whole layer into new memory (cache.Bf16Bits; at
+    4,096 slots and batch 8 the values product took 35 ms a layer widened whole, 2.5 in
+    groups, float32 4.2). Exact either way: the products are float32 products of the widened
+    values."""
+    N = kv.shape[0]
+    per_head = kv[0].size * 4
     g = max(d for d in range(1, N + 1) if N % d == 0 and (d == 1 or d * per_head <= WIDEN_BYTES))
-    if g == N:
-        return fn(x, kvc.widen_bits(bits))
-    groups = x.reshape(N // g, g, *x.shape[1:]), bits.reshape(N // g, g, *bits.shape[1:])
-    out = jax.lax.map(lambda a: fn(a[0], kvc.widen_bits(a[1])), groups)
+    if g == N or kv.dtype == jnp.float32 or jax.default_backend() != "cpu":
+        return fn(x, _widen(kv))
+    groups = x.reshape(N // g, g, *x.shape[1:]), kv.reshape(N // g, g, *kv.shape[1:])
+    out = jax.lax.map(lambda a: fn(a[0], _widen(a[1])), groups)
     return out.reshape(N, *out.shape[2:])
 
 
@@ -177,7 +184,7 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
     R = 3 if rope else 1  # without RoPE the three positions give the same query
     q = apply_rope(jnp.broadcast_to(q, (B, R, H, Dh)), plan.q.part(0, R))
     if plan.keys.cos is not None or int8_att is not None:  # these read float keys (and values)
-        k, v = (kvc.widen_bits(x) if x.dtype == jnp.uint16 else x for x in (k, v))
+        k, v = _widen(k), _widen(v)
     if plan.keys.cos is not None:  # pre-RoPE keys (quantized stores, dynamic NTK)
         k = apply_rope(k.reshape(B, KVH, C, Dh), plan.keys, head_major=True).reshape(k.shape)
     q = q.reshape(B, R, KVH, G, Dh)
@@ -194,9 +201,9 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
 
         def scores(qm, k):
-            return jax.lax.dot_general(k.astype(jnp.float32), qm, (((2,), (2,)), ((0,), (0,))),
+            return jax.lax.dot_general(k, qm, (((2,), (2,)), ((0,), (0,))),
                                        preferred_element_type=jnp.float32)  # [N, C, rows+pad]
-        s = _by_head_groups(scores, qm, k) if k.dtype == jnp.uint16 else scores(qm, k)
+        s = _by_head_groups(scores, qm, k)
         s = s[..., :rows].transpose(0, 2, 1).reshape(B, KVH, R, G, C)
     s = s / math.sqrt(Dh)
     pick = plan.pick[:, None, None, :]  # [B, 1, 1, C]
@@ -211,10 +218,8 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         out = pv(p, v.reshape(B, KVH, C, Dh).astype(jnp.float32), absmax_scale(p, -1, True),
                  int8_att.real)
     else:
-        def values(p, v):
-            return jnp.einsum("nrs,nsh->nrh", p, v.astype(jnp.float32))
-        p = probs.reshape(B * KVH, G, C)
-        out = _by_head_groups(values, p, v) if v.dtype == jnp.uint16 else values(p, v)
+        values = functools.partial(jnp.einsum, "nrs,nsh->nrh")
+        out = _by_head_groups(values, probs.reshape(B * KVH, G, C), v)
     return out.reshape(B, 1, H, Dh)
 
 

@@ -314,11 +314,12 @@ def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
 
 
 @pytest.mark.parametrize("family", ["neox", "llama"])
-def test_decode_over_a_bfloat16_cache_is_the_float32_product(family):
-    """A decode step reads a bfloat16 cache on CPU as its uint16 bits (cache.Bf16Bits), widened
-    a few heads at a time (model._by_head_groups): on the same bfloat16 keys and values,
-    widened to float32 for the float32 path, both give the same output to float32 rounding, on
-    a ring past a lap; also with groups of one head (a loop over all of them)."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype):
+    """A decode step reads a bfloat16 cache on CPU as its uint16 bits (cache.Bf16Bits) and a
+    float16 cache as stored, widened a few heads at a time (model._by_head_groups): on the same
+    2-byte keys and values, widened to float32 for the float32 path, both give the same output
+    to float32 rounding, on a ring past a lap; also with groups of one head (a loop over all)."""
     from jaxllm import cache as kvc
     from jaxllm import model
     from jaxllm.model import _decode_attend, attn_plan
@@ -333,11 +334,13 @@ def test_decode_over_a_bfloat16_cache_is_the_float32_product(family):
     plan = attn_plan(cfg, lay, B, 1, S, freq, keys_rotated=cache.keys_rotated)
     rng = np.random.default_rng(0)
     shape = (B * cfg.num_kv_heads, S + W, cfg.head_dim)
-    k, v = (jnp.asarray(rng.standard_normal(shape) * 3, jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal(shape) * 3, dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((B, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
     wide = _decode_attend(q, k.astype(jnp.float32), v.astype(jnp.float32), plan, cfg)
+    if dtype == "bfloat16":
+        k, v = kvc.to_bits(k), kvc.to_bits(v)
     for budget in (model.WIDEN_BYTES, 1):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(model, "WIDEN_BYTES", budget)
-            narrow = _decode_attend(q, kvc.to_bits(k), kvc.to_bits(v), plan, cfg)
+            narrow = _decode_attend(q, k, v, plan, cfg)
         np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=0, atol=2e-6)

@@ -14,7 +14,7 @@ measured, not guessed:
   scattered in place (jaxllm's form: cache.Bf16Bits).
 - keys: ``k [N, C, Dh] . q [N, rows, Dh]`` contracting Dh, the query rows padded to 4; bfloat16
   with the query as three exact bfloat16 terms (``bf16_terms`` below, jaxllm's form before);
-  the bits widened to float32 a few heads at a time (``model._by_head_groups``, jaxllm's form).
+  the bits widened to float32 a few heads at a time (``quant.in_widened_groups``, jaxllm's form).
 - values: ``p [N, rows, C] . v [N, C, Dh]`` contracting C; bfloat16 as three terms (the form
   before); the same in groups of 12 heads; widened to float32 first; values stored transposed,
   ``v [N, Dh, C]``, in the keys' form; the bits by head groups (jaxllm's form).
@@ -35,8 +35,7 @@ from _record import best_ms, record  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxllm.cache import to_bits  # noqa: E402
-from jaxllm.model import _by_head_groups  # noqa: E402
+from jaxllm.quant import in_widened_groups, to_bits  # noqa: E402
 
 HEADS, DH = 12, 64
 
@@ -132,9 +131,9 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
         ("keys", "bfloat16, 3 terms (before)"): (
             lambda k, q: sum_terms(dot(k, pad4(bf16_terms(q)), 2, 2), q_rows, 2), (k16, q)),
         ("keys", "bfloat16 bits by head groups (jaxllm)"): (
-            lambda k, q: _by_head_groups(lambda q, k: dot(k, q, 2, 2), pad4(q), k), (kbits, q)),
+            lambda k, q: in_widened_groups(lambda k, q: dot(k, q, 2, 2), k, pad4(q)), (kbits, q)),
         ("keys", "float16 by head groups (jaxllm)"): (
-            lambda k, q: _by_head_groups(lambda q, k: dot(k, q, 2, 2), pad4(q), k), (kh, q)),
+            lambda k, q: in_widened_groups(lambda k, q: dot(k, q, 2, 2), k, pad4(q)), (kh, q)),
         ("values", "float32"): (lambda p, v: dot(p, v, 2, 1), (p, v32)),
         ("values", "bfloat16, 3 terms (before)"): (
             lambda p, v: sum_terms(dot(bf16_terms(p), v, 2, 1), p_rows, 1), (p, v16)),
@@ -144,9 +143,9 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
         ("values", "bfloat16 stored [Dh, C], keys' form"): (
             lambda p, v: sum_terms(dot(v, pad4(bf16_terms(p)), 2, 2), p_rows, 2), (p, vt16)),
         ("values", "bfloat16 bits by head groups (jaxllm)"): (
-            lambda p, v: _by_head_groups(lambda p, v: dot(p, v, 2, 1), p, v), (p, vbits)),
+            lambda p, v: in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p), (p, vbits)),
         ("values", "float16 by head groups (jaxllm)"): (
-            lambda p, v: _by_head_groups(lambda p, v: dot(p, v, 2, 1), p, v), (p, vh)),
+            lambda p, v: in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p), (p, vh)),
     }
 
 

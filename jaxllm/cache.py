@@ -61,17 +61,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt16
 from .config import ModelConfig
 from .evict import Evict, empty_scores
 from .kvquant import KVQuant, empty_kivi, empty_store
-
-
-def to_bits(x: Float[Array, "..."]) -> UInt16[Array, "..."]:
-    """``x`` rounded to bfloat16, as its 16-bit patterns."""
-    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-
-
-def widen_bits(bits: UInt16[Array, "..."]) -> Float[Array, "..."]:
-    """bfloat16 bit patterns as the float32 values they stand for (exact: the top half of a
-    float32 is a bfloat16)."""
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
+from .quant import to_bits
 
 
 @struct.dataclass
@@ -86,7 +76,7 @@ class Bf16Bits:
     page-fault rate: at 4,096 slots and batch 8 the values product took 37-47 ms a layer
     against float32's 4-6 (docs/BENCHMARKS.md, KV cache passes by form). Integer arrays are left
     alone: a decode step scatters its token into the bits in place and widens them (a shift,
-    exact) a few heads at a time (model._decode_attend), 2-3 ms a layer there.
+    exact) a few heads at a time (quant.in_widened_groups), 2-3 ms a layer there.
 
     To everything else it is a store (kvquant's interface): ``read`` gives the bfloat16 array
     and ``stored`` rounds a chunk to bfloat16, so a bits cache and a bfloat16 array attend to

@@ -17,7 +17,8 @@ from . import cache as kvc
 from . import evict
 from .config import ModelConfig
 from .policy import check_positions
-from .quant import QAttention, QKernel, absmax_scale, pv, qk_scores, qmatmul
+from .quant import (QAttention, QKernel, absmax_scale, in_widened_groups, pv, qk_scores,
+                    qmatmul, widen)
 from .rope import Rotation, apply_rope, inv_freq
 from .rope import rotation as _rotation
 
@@ -138,41 +139,13 @@ def _softmax(scores, mask, cfg: ModelConfig):
     return jax.nn.softmax(scores, axis=-1)
 
 
-# The float32 copy of a narrow cache one step of _by_head_groups widens: a few MiB, so that it
-# is reused from the caches and the heap (a copy over glibc's 32 MiB mmap threshold is fresh
-# memory every step, faulted in page by page on this VM).
-WIDEN_BYTES = 4 << 20
-
-
-def _widen(kv: Array) -> Float[Array, "..."]:
-    """A cache read as float32: a bfloat16 cache's bits (cache.Bf16Bits) or any float array."""
-    return kvc.widen_bits(kv) if kv.dtype == jnp.uint16 else kv.astype(jnp.float32)
-
-
-def _by_head_groups(fn: Callable, x: Float[Array, "n ..."], kv: Array) -> Array:
-    """``fn(x, kv as float32)``, batched over axis 0 (batch x KV heads) by ``fn``. On CPU a
-    narrow ``kv`` (bfloat16 bits, float16) is widened a group of heads at a time, each group's
-    float32 copy at most WIDEN_BYTES, one group per iteration of a loop: XLA:CPU then widens
-    into the same small buffer instead of the whole layer into new memory (cache.Bf16Bits; at
-    4,096 slots and batch 8 the values product took 35 ms a layer widened whole, 2.5 in
-    groups, float32 4.2). Exact either way: the products are float32 products of the widened
-    values."""
-    N = kv.shape[0]
-    per_head = kv[0].size * 4
-    g = max(d for d in range(1, N + 1) if N % d == 0 and (d == 1 or d * per_head <= WIDEN_BYTES))
-    if g == N or kv.dtype == jnp.float32 or jax.default_backend() != "cpu":
-        return fn(x, _widen(kv))
-    groups = x.reshape(N // g, g, *x.shape[1:]), kv.reshape(N // g, g, *kv.shape[1:])
-    out = jax.lax.map(lambda a: fn(a[0], _widen(a[1])), groups)
-    return out.reshape(N, *out.shape[2:])
-
-
 def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
                    int8_att: Optional[QAttention] = None):
     """One query per row against the whole cache after the step's write (cache.token_view).
 
     q [B, 1, H, Dh]; k, v [B * KVH, C, Dh] (cache.write_token's reads: float arrays, or the
-    uint16 bits of a bfloat16 cache on CPU, cache.Bf16Bits). The query is rotated at its three
+    uint16 bits of a bfloat16 cache on CPU, cache.Bf16Bits; 2-byte ones are widened a few
+    heads at a time, quant.in_widened_groups). The query is rotated at its three
     positions (sinks, this lap, last lap), all three are scored against every slot in one
     product, and each slot keeps the score ``plan.pick`` names: the keys are read once and,
     when stored rotated, never rotated again.
@@ -184,7 +157,7 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
     R = 3 if rope else 1  # without RoPE the three positions give the same query
     q = apply_rope(jnp.broadcast_to(q, (B, R, H, Dh)), plan.q.part(0, R))
     if plan.keys.cos is not None or int8_att is not None:  # these read float keys (and values)
-        k, v = _widen(k), _widen(v)
+        k, v = widen(k), widen(v)
     if plan.keys.cos is not None:  # pre-RoPE keys (quantized stores, dynamic NTK)
         k = apply_rope(k.reshape(B, KVH, C, Dh), plan.keys, head_major=True).reshape(k.shape)
     q = q.reshape(B, R, KVH, G, Dh)
@@ -200,10 +173,11 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         qm = q.transpose(0, 2, 1, 3, 4).reshape(B * KVH, rows, Dh).astype(jnp.float32)
         qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
 
-        def scores(qm, k):
+        # A 2-byte cache is widened a few heads at a time (quant.in_widened_groups).
+        def scores(k, qm):
             return jax.lax.dot_general(k, qm, (((2,), (2,)), ((0,), (0,))),
                                        preferred_element_type=jnp.float32)  # [N, C, rows+pad]
-        s = _by_head_groups(scores, qm, k)
+        s = in_widened_groups(scores, k, qm)
         s = s[..., :rows].transpose(0, 2, 1).reshape(B, KVH, R, G, C)
     s = s / math.sqrt(Dh)
     pick = plan.pick[:, None, None, :]  # [B, 1, 1, C]
@@ -218,8 +192,9 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         out = pv(p, v.reshape(B, KVH, C, Dh).astype(jnp.float32), absmax_scale(p, -1, True),
                  int8_att.real)
     else:
-        values = functools.partial(jnp.einsum, "nrs,nsh->nrh")
-        out = _by_head_groups(values, probs.reshape(B * KVH, G, C), v)
+        def values(v, p):
+            return jnp.einsum("nrs,nsh->nrh", p, v)
+        out = in_widened_groups(values, v, probs.reshape(B * KVH, G, C))
     return out.reshape(B, 1, H, Dh)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import kv_products  # noqa: E402
 
-from jaxllm.cache import to_bits, widen_bits  # noqa: E402
+from jaxllm.quant import to_bits, widen_bits  # noqa: E402
 
 
 def test_kv_products_forms_compute_the_same_pass():

@@ -317,11 +317,11 @@ def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype):
     """A decode step reads a bfloat16 cache on CPU as its uint16 bits (cache.Bf16Bits) and a
-    float16 cache as stored, widened a few heads at a time (model._by_head_groups): on the same
+    float16 cache as stored, widened a few heads at a time (quant.in_widened_groups): on the same
     2-byte keys and values, widened to float32 for the float32 path, both give the same output
     to float32 rounding, on a ring past a lap; also with groups of one head (a loop over all)."""
     from jaxllm import cache as kvc
-    from jaxllm import model
+    from jaxllm import quant
     from jaxllm.model import _decode_attend, attn_plan
     from jaxllm.rope import inv_freq
     cfg = CFGS[family]
@@ -338,9 +338,9 @@ def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype):
     q = jnp.asarray(rng.standard_normal((B, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
     wide = _decode_attend(q, k.astype(jnp.float32), v.astype(jnp.float32), plan, cfg)
     if dtype == "bfloat16":
-        k, v = kvc.to_bits(k), kvc.to_bits(v)
-    for budget in (model.WIDEN_BYTES, 1):
+        k, v = quant.to_bits(k), quant.to_bits(v)
+    for budget in (quant.WIDEN_BYTES, 1):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(model, "WIDEN_BYTES", budget)
+            mp.setattr(quant, "WIDEN_BYTES", budget)
             narrow = _decode_attend(q, k, v, plan, cfg)
         np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=0, atol=2e-6)

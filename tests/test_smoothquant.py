@@ -156,6 +156,21 @@ def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_chan
                                atol=1e-2)
 
 
+@pytest.mark.parametrize("lead,n_out", [((8,), 2501), ((2, 3), 64), ((40,), 700)])
+def test_float16_weights_of_several_rows_in_widened_groups(lead, n_out, monkeypatch):
+    """float16 weights and several rows take blocks of output rows widened one at a time
+    (quant.in_widened_groups): x @ wᵀ in float64, also with blocks that do not divide the
+    outputs (the last block overlaps the one before) and with blocks of one row."""
+    rng = np.random.default_rng(n_out)
+    x = rng.normal(size=(*lead, 48)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(n_out, 48)), jnp.float16)
+    want = x.astype(np.float64) @ np.asarray(w, np.float64).T
+    for budget in (quant.WIDEN_BYTES, 48 * 4 * 7, 1):  # one block; blocks of 7 rows; of one
+        monkeypatch.setattr(quant, "WIDEN_BYTES", budget)
+        got = quant.weight_only_matmul(jnp.asarray(x), w, jnp.ones(()))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cfg,dtype,B", [(NEOX, "bfloat16", 2), (LLAMA, "float16", 1),
                                          (FALCON, "bfloat16", 1), (LLAMA, "float32", 2)],
                          ids=["neox", "llama", "falcon", "llama-float32"])

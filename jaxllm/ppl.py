@@ -167,7 +167,7 @@ def run_ppl(params, cfg: ModelConfig, tokens, pc: PplConfig, progress: bool = Tr
     secs = time.perf_counter() - t0
     summary = {"method": pc.method, "label": pc.label, "sinks": pc.sinks,
                "cache": pc.cache if pc.method != "dense" else len(nll), "chunk": pc.chunk,
-               "kv_dtype": pc.kv_dtype, **summarize(nll), "seconds": secs, "tokens_per_s": len(nll) / secs,
-               "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__,
-               "backend": jax.default_backend()}
+               "kv_dtype": pc.kv_dtype, **summarize(nll), "seconds": secs,
+               "tokens_per_s": len(nll) / secs, "peak_rss_mb": peak_rss_mb(),
+               "jax": jax.__version__, "backend": jax.default_backend()}
     return nll, summary

@@ -137,7 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-m", default="1,16,128,2048,8192", help="M values to tune at")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args(argv)
-    backend = pk.resolve_backend()  # triton on GPU, tpu on TPU, xla on CPU
+    # triton on GPU, tpu on TPU; on CPU only XLA's dot (the few-row CPU kernel has its own
+    # table: benchmarks/int8_rows.py)
+    backend = {"cpu": "xla"}.get(pk.resolve_backend(), pk.resolve_backend())
     ceil = ceilings(backend)
     rng = np.random.default_rng(0)
     rows = ["| model | linear | M | K | N | copies | bf16 ms | XLA int8 ms | Pallas int8 ms | "

@@ -1,9 +1,12 @@
 """INT8 kernels for W8A8 inference, dispatched by backend.
 
 ``w8a8_matmul``, ``quantize_per_token`` (optionally fused with LayerNorm/RMSNorm) and
-``int8_bmm`` pick the Pallas kernel on GPU (Triton lowering) and TPU (Mosaic) and the pure-jnp
-reference (XLA) elsewhere. Override with ``backend=`` (``xla`` | ``triton`` | ``tpu``) or the
-environment variable ``JAXLLM_INT8_BACKEND``; ``interpret=True`` runs a Pallas backend on CPU.
+``int8_bmm`` pick the Pallas kernel on GPU (Triton lowering) and TPU (Mosaic), ``cpu`` on CPUs
+and the pure-jnp reference (XLA) elsewhere. ``cpu`` is XLA's too, except ``w8a8_matmul``'s
+few-row products (decode) on a CPU with AVX-512 VNNI: those go to a hand-written FFI kernel
+(:mod:`pallas_kernels.cpu`; exact, the same int32 sums). Override with ``backend=`` (``xla`` |
+``cpu`` | ``triton`` | ``tpu``) or the environment variable ``JAXLLM_INT8_BACKEND``;
+``interpret=True`` runs a Pallas backend on CPU.
 """
 from __future__ import annotations
 
@@ -13,19 +16,20 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from . import cpu
 from . import matmul as _k
 from . import reference
 from .matmul import Blocks, default_blocks
 
-BACKENDS = ("xla", "triton", "tpu")
+BACKENDS = ("xla", "cpu", "triton", "tpu")
 
 
 def resolve_backend(backend: Optional[str] = None) -> str:
     """``backend`` or $JAXLLM_INT8_BACKEND or, for ``auto``, by platform: triton on GPU, tpu on
-    TPU, xla elsewhere."""
+    TPU, cpu on CPU, xla elsewhere."""
     b = backend or os.environ.get("JAXLLM_INT8_BACKEND", "auto")
     if b == "auto":
-        return {"gpu": "triton", "tpu": "tpu"}.get(jax.default_backend(), "xla")
+        return {"gpu": "triton", "tpu": "tpu", "cpu": "cpu"}.get(jax.default_backend(), "xla")
     if b not in BACKENDS:
         raise ValueError(f"unknown INT8 backend {b!r}; choose auto, {', '.join(BACKENDS)} "
                          f"(argument backend= or JAXLLM_INT8_BACKEND)")
@@ -38,11 +42,15 @@ def w8a8_matmul(x, w, sx, sw, bias=None, out_dtype=jnp.float32, *,
     """y [M, N] = (x [M, K] int8 · w [N, K]ᵀ int8, int32) · sx · sw (+ bias); sx [M] or [],
     sw [N] or []."""
     b = resolve_backend(backend)
-    if b == "xla":
+    if b in ("xla", "cpu"):
         M, N = x.shape[0], w.shape[0]
-        return reference.w8a8_matmul(x, w, jnp.broadcast_to(jnp.asarray(sx, jnp.float32), (M,)),
-                                     jnp.broadcast_to(jnp.asarray(sw, jnp.float32), (N,)), bias,
-                                     out_dtype)
+        sx = jnp.broadcast_to(jnp.asarray(sx, jnp.float32), (M,))
+        sw = jnp.broadcast_to(jnp.asarray(sw, jnp.float32), (N,))
+        if b == "cpu" and cpu.use_for(M, x.shape[1]):
+            acc = cpu.int8_rows(x, w)
+            return acc if jnp.dtype(out_dtype) == jnp.int32 else reference.epilogue(
+                acc, sx, sw, bias, out_dtype)
+        return reference.w8a8_matmul(x, w, sx, sw, bias, out_dtype)
     return _k.w8a8_matmul(x, w, sx, sw, bias, out_dtype, backend=b, blocks=blocks,
                           interpret=interpret)
 
@@ -52,7 +60,7 @@ def quantize_per_token(x, gamma=None, beta=None, *, norm: Optional[str] = None,
                        interpret: bool = False):
     """(q [M, D] int8, scale [M]) of the (optionally normalised) rows of x [M, D]."""
     b = resolve_backend(backend)
-    if b == "xla":
+    if b in ("xla", "cpu"):
         return reference.quantize_per_token(x, norm, gamma, beta, eps)
     return _k.quantize_per_token(x, gamma, beta, norm=norm, eps=eps, backend=b,
                                  interpret=interpret)
@@ -62,7 +70,7 @@ def int8_bmm(a, b, sa, sb, out_dtype=jnp.float32, *, backend: Optional[str] = No
              interpret: bool = False):
     """[B, M, K] x [B, N, K] int8 -> [B, M, N] with scales sa [B, M], sb [B, N]."""
     be = resolve_backend(backend)
-    if be == "xla":
+    if be in ("xla", "cpu"):
         return reference.int8_bmm(a, b, sa, sb, out_dtype)
     return _k.int8_bmm(a, b, sa, sb, out_dtype, backend=be, interpret=interpret)
 

@@ -134,8 +134,8 @@ def test_int8_bmm(backend):
 
 def test_dispatcher(monkeypatch):
     monkeypatch.delenv("JAXLLM_INT8_BACKEND", raising=False)
-    expect = {"gpu": "triton", "tpu": "tpu"}.get(jax.default_backend(), "xla")
-    assert pk.resolve_backend() == expect  # CPUs: XLA's dot_general
+    expect = {"gpu": "triton", "tpu": "tpu", "cpu": "cpu"}.get(jax.default_backend(), "xla")
+    assert pk.resolve_backend() == expect  # CPUs: XLA's dot, or the VNNI kernel for few rows
     assert pk.resolve_backend("tpu") == "tpu"
     monkeypatch.setenv("JAXLLM_INT8_BACKEND", "triton")
     assert pk.resolve_backend() == "triton"

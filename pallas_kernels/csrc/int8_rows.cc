@@ -1,0 +1,158 @@
+// int8 x int8 -> int32 products of a few rows, for decoding W8A8 on a CPU: an XLA FFI custom call
+// that pallas_kernels/cpu.py builds with the machine's own compiler (-march=native) and registers.
+//
+//   jaxllm_int8_rows(x s8[M, K], w s8[N, K]) -> y s32[M, N],  y[m, n] = sum_k x[m, k] * w[n, k]
+//
+// Exact: every sum is formed in int32 lanes, whatever the order.
+//
+// Why: a W8A8 decode step multiplies 1-8 rows by every int8 weight. XLA:CPU hands that product to
+// YNNPACK, which does about 50 G multiply-adds a second at 8 rows on this 2-core machine (14% of
+// the weights' read rate; docs/BENCHMARKS.md, roofline). Here each weight row is read once, in one
+// sequential stream per thread, for all the rows; a `vpdpbusd` (AVX-512 VNNI) does 64 multiply-adds,
+// and the output rows are split over XLA's own intra-op thread pool. Only for machines with VNNI:
+// portable loops measured slower than XLA's dot, so other machines keep XLA's.
+//
+// One weight row at a time: two or more rows read side by side (sharing each input load) measured
+// 1.1-2.7x slower on the 2-core EPYC this was tuned on.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define JAXLLM_VNNI 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 8;  // rows per pass over the weights (more rows take more passes)
+
+#ifdef JAXLLM_VNNI
+// vpdpbusd multiplies unsigned by signed bytes, so the rows come in as x + 128 (``xu``, one byte
+// each) and 128 * sum_k w[n, k] is taken off at the end: that sum is one more vpdpbusd per weight
+// vector, against a vector of ones. |partial sums| < 2^31 for K < 65,536 (checked by the caller).
+template <int R>
+void rows(const uint8_t* xu, const int8_t* x, const int8_t* w, int32_t* y, int64_t K, int64_t N,
+          int64_t n0, int64_t n1) {
+  (void)x;
+  constexpr int64_t L = 64;
+  const int64_t kv = K - K % L;
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * K;
+    __m512i acc[R], wsum = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < kv; k += L) {
+      __m512i wv = _mm512_loadu_si512(wr + k);
+      wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(xu + r * K + k), wv);
+    }
+    const int32_t offset = 128 * _mm512_reduce_add_epi32(wsum);
+    for (int r = 0; r < R; ++r) {
+      int32_t s = _mm512_reduce_add_epi32(acc[r]) - offset;
+      for (int64_t k = kv; k < K; ++k) s += static_cast<int32_t>(x[r * K + k]) * wr[k];
+      y[r * N + n] = s;
+    }
+  }
+}
+
+// Output rows [n0, n1) for every input row, in passes of up to kMaxRows rows.
+void rows_any(const uint8_t* xu, const int8_t* x, const int8_t* w, int32_t* y, int64_t M,
+              int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; m += kMaxRows) {
+    const int64_t r = std::min<int64_t>(kMaxRows, M - m);
+    const uint8_t* xum = xu + m * K;
+    const int8_t* xm = x + m * K;
+    int32_t* ym = y + m * N;
+    switch (r) {
+      case 1: rows<1>(xum, xm, w, ym, K, N, n0, n1); break;
+      case 2: rows<2>(xum, xm, w, ym, K, N, n0, n1); break;
+      case 3: rows<3>(xum, xm, w, ym, K, N, n0, n1); break;
+      case 4: rows<4>(xum, xm, w, ym, K, N, n0, n1); break;
+      case 5: rows<5>(xum, xm, w, ym, K, N, n0, n1); break;
+      case 6: rows<6>(xum, xm, w, ym, K, N, n0, n1); break;
+      case 7: rows<7>(xum, xm, w, ym, K, N, n0, n1); break;
+      default: rows<8>(xum, xm, w, ym, K, N, n0, n1); break;
+    }
+  }
+}
+
+// The output rows in blocks that the calling thread and helpers on XLA's pool claim from one
+// counter. The caller works too and waits only for blocks already claimed, so a busy pool (or none)
+// costs parallelism, never a deadlock. The state is shared-owned: a helper may start after the
+// call has returned, and then finds no block left and touches no buffer.
+struct Work {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t blocks = 0, size = 0;
+  const uint8_t* xu = nullptr;
+  const int8_t *x = nullptr, *w = nullptr;
+  int32_t* y = nullptr;
+  int64_t M = 0, K = 0, N = 0;
+  void run() {
+    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
+      rows_any(xu, x, w, y, M, K, N, b * size, std::min(N, (b + 1) * size));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+#endif  // JAXLLM_VNNI
+
+ffi::Error Int8Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                    ffi::ResultBuffer<ffi::S32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("jaxllm_int8_rows needs x [M, K] and w [N, K]");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (K >= 65536)
+    return ffi::Error::InvalidArgument("jaxllm_int8_rows: K must be below 65,536");
+#ifndef JAXLLM_VNNI
+  (void)pool, (void)y;
+  return ffi::Error::InvalidArgument(
+      "jaxllm_int8_rows was built without AVX-512 VNNI; use XLA's int8 dot");
+#else
+  std::vector<uint8_t> xu(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(x.typed_data()[i] + 128);
+  auto work = std::make_shared<Work>();
+  work->xu = xu.data(), work->x = x.typed_data(), work->w = w.typed_data();
+  work->y = y->typed_data(), work->M = M, work->K = K, work->N = N;
+  // Blocks of at least 64 KiB of weights, about four per thread to even out the load.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t min_rows = std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(1, K));
+  work->size = std::max(min_rows, (N + 4 * threads - 1) / (4 * threads));
+  work->blocks = (N + work->size - 1) / work->size;
+  for (int64_t h = 0; h < std::min(threads - 1, work->blocks - 1); ++h)
+    pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->blocks) std::this_thread::yield();
+#endif
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// 1 where this build has the kernel: the compiler targeted AVX-512 VNNI (-march=native on such a
+// machine). Elsewhere the handler returns an error and pallas_kernels/cpu.py keeps XLA's dot.
+extern "C" int jaxllm_int8_rows_vnni() {
+#ifdef JAXLLM_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmInt8Rows, Int8Rows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());

@@ -1,0 +1,100 @@
+"""The hand-written int8 CPU kernel (pallas_kernels/cpu.py) against numpy's int64 products and
+XLA's own int8 dot: its sums are exact, so results must be equal, not close. The kernel needs a
+C++ compiler and AVX-512 VNNI; without them these tests skip (saying why) and the fallback is
+checked instead."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import LLAMA
+
+import jaxllm
+import pallas_kernels
+from jaxllm import smoothquant as sq
+from pallas_kernels import cpu, reference
+
+needs_kernel = pytest.mark.skipif(not cpu.available(), reason=f"no kernel here: {cpu.status()}")
+RNG = np.random.default_rng(0)
+
+
+def uses_kernel(fn, *args) -> bool:
+    return cpu.TARGET in str(jax.make_jaxpr(fn)(*args))
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 64, 1), (1, 768, 300), (3, 100, 7), (8, 3072, 65),
+                                   (11, 1000, 33), (64, 130, 129)])
+def test_int8_rows_are_numpys_exact_products(M, K, N):
+    # the full int8 range, -128 included, and a K that is not a multiple of the 64-byte vector
+    x = RNG.integers(-128, 128, (M, K)).astype(np.int8)
+    w = RNG.integers(-128, 128, (N, K)).astype(np.int8)
+    x[0, :] = -128  # the largest partial sums the kernel's offset trick must keep exact
+    w[0, :] = -128
+    got = np.asarray(jax.jit(cpu.int8_rows)(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_array_equal(got, x.astype(np.int64) @ w.astype(np.int64).T)
+
+
+@needs_kernel
+@pytest.mark.parametrize("per_channel,bias", [(True, True), (False, False)])
+def test_w8a8_matmul_takes_the_kernel_for_few_rows_and_equals_xla(per_channel, bias):
+    M, K, N = 5, 192, 96
+    x = jnp.asarray(RNG.integers(-127, 128, (M, K)).astype(np.int8))
+    w = jnp.asarray(RNG.integers(-127, 128, (N, K)).astype(np.int8))
+    sx = jnp.asarray(RNG.random(M).astype(np.float32))
+    sw = jnp.asarray(RNG.random(N).astype(np.float32)) if per_channel else jnp.float32(0.02)
+    b = jnp.asarray(RNG.standard_normal(N).astype(np.float32)) if bias else None
+
+    def f(x, w):
+        return pallas_kernels.w8a8_matmul(x, w, sx, sw, b)
+    assert uses_kernel(f, x, w)
+    assert not uses_kernel(lambda x, w: pallas_kernels.w8a8_matmul(x, w, sx, sw, b,
+                                                                   backend="xla"), x, w)
+    want = reference.w8a8_matmul(x, w, sx, jnp.broadcast_to(sw, (N,)), b)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, w)), np.asarray(want))
+    # a prefill's many rows keep XLA's GEMM
+    many = jnp.zeros((cpu.FEW_ROWS + 1, K), jnp.int8)
+    assert not uses_kernel(lambda x: pallas_kernels.w8a8_matmul(x, w, 1.0, sw), many)
+
+
+@needs_kernel
+def test_w8a8_model_decodes_the_same_with_and_without_the_kernel(monkeypatch):
+    params = jaxllm.init_params(LLAMA, jax.random.key(3))
+    ids = np.random.default_rng(1).integers(0, LLAMA.vocab_size, 3000)
+    q = sq.quantize(params, LLAMA, ids, "o1", 0.8,
+                    calib=sq.CalibConfig(n_seqs=4, seq_len=32, heldout_seqs=1))
+    toks = jnp.asarray(ids[None, :6].repeat(2, 0))  # 12 rows: the kernel's range
+    assert uses_kernel(lambda t: jaxllm.forward(q, LLAMA, t)[0], toks)
+    with_kernel = jaxllm.forward(q, LLAMA, toks)[0]
+    monkeypatch.setattr(cpu, "use_for", lambda m, k: False)
+    jax.clear_caches()
+    without = jaxllm.forward(q, LLAMA, toks)[0]
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(with_kernel), np.asarray(without))
+
+
+def test_turned_off_by_the_environment():
+    code = ("import jax.numpy as jnp, pallas_kernels; from pallas_kernels import cpu; "
+            "print(cpu.status()); x = jnp.ones((2, 64), jnp.int8); "
+            "print(pallas_kernels.w8a8_matmul(x, x, 1.0, 1.0).sum())")
+    env = dict(os.environ, JAXLLM_CPU_KERNELS="0", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["int8 rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)", "256.0"]
+
+
+def test_a_missing_compiler_is_named_with_the_way_out(tmp_path):
+    with pytest.raises(cpu.CPUKernelError, match="no C.. compiler.*JAXLLM_CPU_KERNELS=0"):
+        cpu.build(cxx=str(tmp_path / "no-such-c++"), out_dir=tmp_path)
+
+
+@pytest.mark.skipif(not cpu.enabled() or cpu.shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="no C++ compiler")
+def test_build_is_cached_and_leaves_no_partial_file(tmp_path):
+    first = cpu.build(out_dir=tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]

@@ -139,6 +139,29 @@ def _softmax(scores, mask, cfg: ModelConfig):
     return jax.nn.softmax(scores, axis=-1)
 
 
+def _decode_probs(s, pick, mask, dist, cfg: ModelConfig, slopes=None):
+    """A decode step's attention probabilities from scores s [B, K, R, G, C] (R: the query's
+    rotations; ``pick`` [B, C] names the one each slot keeps), ``mask`` [B, C], ALiBi
+    distances ``dist`` [B, C] (None without ALiBi) with ``slopes`` [B, G] (default: the
+    model's, [K, G], K = the KV heads) -> [B, K, G, C]."""
+    s = s / math.sqrt(cfg.head_dim)
+    R = s.shape[2]
+    if R > 1:
+        p = pick[:, None, None, :]
+        s = jnp.where(p == 0, s[:, :, 0], jnp.where(p == 1, s[:, :, 1], s[:, :, 2]))
+    else:
+        s = s[:, :, 0]
+    if dist is not None:
+        if slopes is None:
+            G = cfg.num_heads // cfg.num_kv_heads
+            slopes = jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max),
+                                 jnp.float32).reshape(1, cfg.num_kv_heads, G)
+        else:
+            slopes = slopes[:, None]  # [B, 1, G]
+        s = s - slopes[..., None] * dist[:, None, None, :].astype(jnp.float32)
+    return _softmax(s, mask[:, None, None, :], cfg)
+
+
 def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
                    int8_att: Optional[QAttention] = None):
     """One query per row against the whole cache after the step's write (cache.token_view).
@@ -164,37 +187,45 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
     if int8_att is not None:
         s = qk_scores(q.astype(jnp.float32), k.reshape(B, KVH, C, Dh).astype(jnp.float32),
                       int8_att.real).transpose(0, 1, 3, 2, 4)  # [B, KVH, R, G, C]
-    else:
-        # The keys as the left operand and the query rows padded to a multiple of 4: XLA:CPU
-        # hands a product of several query rows to YNNPACK, which took 2.7 ms per layer for
-        # 3 rows at 4096 slots and 1.2 in this form (Pythia-160M, 4+4092, batch 1: 64 ms a
-        # step against 45-50, and 42 for one row alone, which would be wrong).
-        rows = R * G
-        qm = q.transpose(0, 2, 1, 3, 4).reshape(B * KVH, rows, Dh).astype(jnp.float32)
-        qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
-
-        # A 2-byte cache is widened a few heads at a time (quant.in_widened_groups).
-        def scores(k, qm):
-            return jax.lax.dot_general(k, qm, (((2,), (2,)), ((0,), (0,))),
-                                       preferred_element_type=jnp.float32)  # [N, C, rows+pad]
-        s = in_widened_groups(scores, k, qm)
-        s = s[..., :rows].transpose(0, 2, 1).reshape(B, KVH, R, G, C)
-    s = s / math.sqrt(Dh)
-    pick = plan.pick[:, None, None, :]  # [B, 1, 1, C]
-    s = s[:, :, 0] if R == 1 else jnp.where(pick == 0, s[:, :, 0],
-                                            jnp.where(pick == 1, s[:, :, 1], s[:, :, 2]))
-    if cfg.pos_emb == "alibi":  # [B, KVH, G, C]
-        slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(KVH, G)
-        s = s - slopes[None, :, :, None] * plan.dist[:, None, None, :].astype(jnp.float32)
-    probs = _softmax(s, plan.mask[:, :, None, :], cfg)  # [B, KVH, G, C]
-    if int8_att is not None:
+        probs = _decode_probs(s, plan.pick, plan.mask[:, 0],
+                              plan.dist if cfg.pos_emb == "alibi" else None, cfg)  # [B,KVH,G,C]
         p = probs[:, :, :, None]  # [B, KVH, G, 1, C]
         out = pv(p, v.reshape(B, KVH, C, Dh).astype(jnp.float32), absmax_scale(p, -1, True),
                  int8_att.real)
-    else:
-        def values(v, p):
-            return jnp.einsum("nrs,nsh->nrh", p, v)
-        out = in_widened_groups(values, v, probs.reshape(B * KVH, G, C))
+        return out.reshape(B, 1, H, Dh)
+    # Scores, softmax and values for a few heads at a time, in one pass: a 2-byte cache is
+    # widened a group of heads at a time (quant.in_widened_groups), keys and values together,
+    # and no [B * KVH, C] scores array lives between two loops. As two loops (scores, then
+    # values) each layer's scores were a loop's output, which XLA:CPU gave its own memory:
+    # 77 MiB of temporaries a step at 4+4092, batch 8, mapped fresh each step (21,500 page
+    # faults); in one pass, 5 MiB.
+    #
+    # The keys are the left operand and the query rows are padded to a multiple of 4: XLA:CPU
+    # hands a product of several query rows to YNNPACK, which took 2.7 ms per layer for 3 rows
+    # at 4096 slots and 1.2 in this form (Pythia-160M, 4+4092, batch 1: 64 ms a step against
+    # 45-50, and 42 for one row alone, which would be wrong).
+    rows, N = R * G, B * KVH
+    qm = q.transpose(0, 2, 1, 3, 4).reshape(N, rows, Dh).astype(jnp.float32)
+    qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
+
+    def by_head(a):  # [B, ...] -> [B * KVH, ...], row b * KVH + h
+        return jnp.broadcast_to(a[:, None], (a.shape[0], KVH) + a.shape[1:]).reshape(
+            N, *a.shape[1:])
+    mask = by_head(jnp.broadcast_to(plan.mask[:, 0], (B, C)))
+    pick = by_head(plan.pick) if R > 1 else mask  # (unused without RoPE)
+    alibi = cfg.pos_emb == "alibi"
+    dist = by_head(plan.dist) if alibi else mask  # (unused without ALiBi)
+    slopes = jnp.tile(jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max) if alibi
+                                  else np.zeros(H), jnp.float32).reshape(KVH, G), (B, 1))
+
+    def attend(k, v, qm, mask, pick, dist, slopes):  # the rows of some heads -> [n, G, Dh]
+        n = k.shape[0]
+        s = jax.lax.dot_general(k, qm, (((2,), (2,)), ((0,), (0,))),
+                                preferred_element_type=jnp.float32)  # [n, C, rows + pad]
+        s = s[..., :rows].transpose(0, 2, 1).reshape(n, 1, R, G, C)
+        probs = _decode_probs(s, pick, mask, dist if alibi else None, cfg, slopes)[:, 0]
+        return jnp.einsum("nrs,nsh->nrh", probs, v)
+    out = in_widened_groups(attend, (k, v), qm, mask, pick, dist, slopes)
     return out.reshape(B, 1, H, Dh)
 
 

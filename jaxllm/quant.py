@@ -216,26 +216,29 @@ def widen(a: Array) -> Float[Array, "..."]:
 WIDEN_BYTES = 4 << 20
 
 
-def in_widened_groups(fn, narrow: Array, *batched: Array) -> Array:
-    """``fn(narrow as float32, *batched)``, which maps axis 0 to axis 0 of its result. On CPU a
-    2-byte ``narrow`` (bfloat16 bits, float16) is widened a group of rows (axis 0) at a time,
-    each group's float32 copy at most WIDEN_BYTES, one group per iteration of a loop, with the
-    same rows of ``batched``: XLA:CPU then widens into one small buffer instead of the whole
-    array into new memory. A float16 KV cache's values product at 4,096 slots, batch 8: 35 ms a
-    layer widened whole, 2.5 in groups (float32 4.2). Exact either way: the same float32
+def in_widened_groups(fn, narrow, *batched: Array) -> Array:
+    """``fn(*narrow as float32, *batched)``, which maps axis 0 to axis 0 of its result;
+    ``narrow`` is an array or a tuple of arrays with the same rows (axis 0). On CPU 2-byte
+    ``narrow`` arrays (bfloat16 bits, float16) are widened a group of rows at a time, each
+    array's float32 copy of the group at most WIDEN_BYTES, one group per iteration of a loop,
+    with the same rows of ``batched``: XLA:CPU then widens into one small buffer instead of the
+    whole array into new memory. A float16 KV cache's values product at 4,096 slots, batch 8:
+    35 ms a layer widened whole, 2.5 in groups (float32 4.2). Exact either way: the same float32
     products of the same widened values (when the group size does not divide the rows, the
     last group overlaps the one before and writes the same values again)."""
-    N = narrow.shape[0]
-    g = min(N, max(1, WIDEN_BYTES // (narrow[0].size * 4)))
+    narrows = narrow if isinstance(narrow, tuple) else (narrow,)
+    N = narrows[0].shape[0]
+    g = min(N, max(1, WIDEN_BYTES // (max(a[0].size for a in narrows) * 4)))
     # A bfloat16 array (not bits) would be widened whole at every slice of the loop, since
     # XLA:CPU normalizes a bfloat16 dynamic slice's whole operand: it is widened once instead.
-    if g == N or narrow.dtype not in (jnp.uint16, jnp.float16) or jax.default_backend() != "cpu":
-        return fn(widen(narrow), *batched)
-    arrays = (narrow,) + batched
+    if (g == N or any(a.dtype not in (jnp.uint16, jnp.float16) for a in narrows)
+            or jax.default_backend() != "cpu"):
+        return fn(*map(widen, narrows), *batched)
+    arrays = narrows + batched
 
     def group(start):
         part = [jax.lax.dynamic_slice_in_dim(a, start, g, 0) for a in arrays]
-        return fn(widen(part[0]), *part[1:])
+        return fn(*map(widen, part[:len(narrows)]), *part[len(narrows):])
 
     shape = jax.eval_shape(group, 0)
     out = jnp.zeros((N,) + shape.shape[1:], shape.dtype)

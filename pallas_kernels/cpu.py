@@ -121,6 +121,8 @@ def _library() -> tuple[Optional[ctypes.CDLL], str]:
         return None, "turned off by JAXLLM_CPU_KERNELS=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"no kernel for {platform.machine()} (AVX-512 VNNI is x86-64)"
+    if not hasattr(jax, "ffi"):
+        return None, f"jax {jax.__version__} has no jax.ffi (0.4.38 or later has)"
     try:
         lib = ctypes.CDLL(str(build()))
     except (CPUKernelError, OSError) as e:

@@ -14,12 +14,16 @@ measured, not guessed:
   scattered in place (jaxllm's form: cache.Bf16Bits).
 - keys: ``k [N, C, Dh] . q [N, rows, Dh]`` contracting Dh, the query rows padded to 4; bfloat16
   with the query as three exact bfloat16 terms (``bf16_terms`` below, jaxllm's form before);
-  the bits widened to float32 a few heads at a time (``quant.in_widened_groups``, jaxllm's form).
+  the bits widened to float32 a few heads at a time (``quant.in_widened_groups``).
 - values: ``p [N, rows, C] . v [N, C, Dh]`` contracting C; bfloat16 as three terms (the form
   before); the same in groups of 12 heads; widened to float32 first; values stored transposed,
-  ``v [N, Dh, C]``, in the keys' form; the bits by head groups (jaxllm's form).
+  ``v [N, Dh, C]``, in the keys' form; the bits by head groups.
 - float16 (not widened by XLA:CPU's normalization, so no bits are needed): scattered in place,
-  keys and values widened by head groups (jaxllm's form for a float16 cache).
+  keys and values widened by head groups.
+- attend: scores, softmax over the slots and values together. jaxllm's form is one pass by head
+  groups that widens the keys and values of a few heads at a time (``in_widened_groups`` over
+  both); the form before was a loop for the scores and one for the values, whose scores array
+  (a loop's output) XLA:CPU gave its own memory in every layer.
 
     python benchmarks/kv_products.py
 """
@@ -116,6 +120,18 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
         return sum_terms(jnp.concatenate([dot(t[i:i + 12], v[i:i + 12], 2, 1)
                                           for i in range(0, N, 12)]), p_rows, 1)
 
+    def attend(k, v, q):  # scores, softmax over the slots, values: [N, p_rows, Dh]
+        s = dot(k, pad4(q), 2, 2)[..., :p_rows]  # [N, C, p_rows]
+        return dot(jax.nn.softmax(jnp.swapaxes(s, 1, 2), -1), v, 2, 1)
+
+    def attend_two_loops(k, v, q):  # jaxllm's form before: a loop for scores, one for values
+        s = in_widened_groups(lambda k, q: dot(k, q, 2, 2), k, pad4(q))[..., :p_rows]
+        p = jax.nn.softmax(jnp.swapaxes(s, 1, 2), -1)
+        return in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p)
+
+    def attend_one_pass(k, v, q):  # jaxllm's form: model._decode_attend
+        return in_widened_groups(attend, (k, v), q)
+
     return {
         ("write", "float32 scatter"): (
             lambda l, s, x: l.at[jnp.arange(N), s].set(x, mode="drop"), (k32, slot, new)),
@@ -130,9 +146,9 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
         ("keys", "float32"): (lambda k, q: dot(k, pad4(q), 2, 2), (k32, q)),
         ("keys", "bfloat16, 3 terms (before)"): (
             lambda k, q: sum_terms(dot(k, pad4(bf16_terms(q)), 2, 2), q_rows, 2), (k16, q)),
-        ("keys", "bfloat16 bits by head groups (jaxllm)"): (
+        ("keys", "bfloat16 bits by head groups"): (
             lambda k, q: in_widened_groups(lambda k, q: dot(k, q, 2, 2), k, pad4(q)), (kbits, q)),
-        ("keys", "float16 by head groups (jaxllm)"): (
+        ("keys", "float16 by head groups"): (
             lambda k, q: in_widened_groups(lambda k, q: dot(k, q, 2, 2), k, pad4(q)), (kh, q)),
         ("values", "float32"): (lambda p, v: dot(p, v, 2, 1), (p, v32)),
         ("values", "bfloat16, 3 terms (before)"): (
@@ -142,32 +158,36 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
             lambda p, v: dot(p, v.astype(jnp.float32), 2, 1), (p, v16)),
         ("values", "bfloat16 stored [Dh, C], keys' form"): (
             lambda p, v: sum_terms(dot(v, pad4(bf16_terms(p)), 2, 2), p_rows, 2), (p, vt16)),
-        ("values", "bfloat16 bits by head groups (jaxllm)"): (
+        ("values", "bfloat16 bits by head groups"): (
             lambda p, v: in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p), (p, vbits)),
-        ("values", "float16 by head groups (jaxllm)"): (
+        ("values", "float16 by head groups"): (
             lambda p, v: in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p), (p, vh)),
+        ("attend", "float32 (jaxllm)"): (attend_one_pass, (k32, v32, q)),
+        ("attend", "bfloat16 bits, two loops (before)"): (attend_two_loops, (kbits, vbits, q)),
+        ("attend", "bfloat16 bits, one pass by head groups (jaxllm)"): (
+            attend_one_pass, (kbits, vbits, q)),
+        ("attend", "float16, two loops (before)"): (attend_two_loops, (kh, vh, q)),
+        ("attend", "float16, one pass by head groups (jaxllm)"): (attend_one_pass, (kh, vh, q)),
     }
 
 
-# The forms jaxllm's decode step takes (model._decode_attend, cache.write_token), by cache dtype
+# The forms jaxllm's decode step takes (cache.write_token, model._decode_attend), by cache dtype
 # (a bfloat16 cache on CPU: cache.Bf16Bits).
-JAXLLM_FORMS = {"float32": ("float32 scatter", "float32", "float32"),
+JAXLLM_FORMS = {"float32": ("float32 scatter", "float32 (jaxllm)"),
                 "bfloat16": ("bfloat16 bits scatter (jaxllm)",
-                             "bfloat16 bits by head groups (jaxllm)",
-                             "bfloat16 bits by head groups (jaxllm)"),
-                "float16": ("float16 scatter (jaxllm)", "float16 by head groups (jaxllm)",
-                            "float16 by head groups (jaxllm)")}
+                             "bfloat16 bits, one pass by head groups (jaxllm)"),
+                "float16": ("float16 scatter (jaxllm)",
+                            "float16, one pass by head groups (jaxllm)")}
 
 
 def step_passes_ms(N: int, C: int, dtype: str, q_rows: int, p_rows: int, dh: int) -> float:
     """One layer's cache passes in a decode step, in jaxllm's forms: the keys' and the values'
-    writes, the scores and the values product (best of 10 each, summed)."""
+    writes, and the scores-softmax-values pass (best of 10 each, summed)."""
     f = forms(N, C, q_rows, p_rows, dh)
-    write, keys, values = (f[step, form] for step, form in
-                           zip(("write", "keys", "values"), JAXLLM_FORMS[dtype]))
+    write, attend = (f[step, form] for step, form in zip(("write", "attend"),
+                                                         JAXLLM_FORMS[dtype]))
     return (2 * write_ms(write[0], write[1][0].copy(), *write[1][1:]) +
-            best_ms(jax.jit(keys[0]), *keys[1], n=10) +
-            best_ms(jax.jit(values[0]), *values[1], n=10))
+            best_ms(jax.jit(attend[0]), *attend[1], n=10))
 
 
 def main():

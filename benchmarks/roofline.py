@@ -21,7 +21,7 @@ Then why a step falls short: the step's weight products alone (every linear laye
 B rows, in the format's own form, chained in one jit, no attention) and the fraction of the
 weights' read ceiling they reach: what XLA:CPU's product code does with exactly those bytes,
 which a step cannot beat; and the step's passes over the cache alone (each layer's keys' and
-values' writes, scores and values product, in jaxllm's forms for the cache's dtype:
+values' writes and its scores-softmax-values pass, in jaxllm's forms for the cache's dtype:
 benchmarks/kv_products.py). The step's time is about the two plus norms, softmax and the rest.
 
 Prefill (a plain forward of --prefill tokens, batch 1) is bound by the matrix units: the GEMM
@@ -256,7 +256,7 @@ def main():
              f"each round's steps (best of 3), median over rounds; of read now: the median over "
              f"rounds of that read's time over the round's step time; weight products alone: every linear layer's product for the "
              f"batch's rows in the format's form, chained, best of 10; KV passes alone: every "
-             f"layer's cache writes, scores and values product in jaxllm's forms for the "
+             f"layer's cache writes and its scores-softmax-values pass in jaxllm's forms for the "
              f"cache's dtype, benchmarks/kv_products.py, best of 10 each):\n\n"
              + "\n".join(dec) +
              f"\n\nPrefill ({T} tokens, batch 1, best of 3):\n\n" + "\n".join(pre))

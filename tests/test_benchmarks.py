@@ -12,8 +12,9 @@ from jaxllm.quant import to_bits, widen_bits  # noqa: E402
 
 
 def test_kv_products_forms_compute_the_same_pass():
-    """Every write form leaves the layer a naive per-row write would; every keys and values form
-    gives the float64 product of the same (bfloat16-rounded, for bfloat16 forms) operands."""
+    """Every write form leaves the layer a naive per-row write would; every keys, values and
+    attend form gives the float64 result of the same (bfloat16-rounded, for bfloat16 forms)
+    operands."""
     N, C, q_rows, p_rows, dh = 4, 32, 3, 1, 8
     forms = kv_products.forms(N, C, q_rows, p_rows, dh)
 
@@ -33,6 +34,11 @@ def test_kv_products_forms_compute_the_same_pass():
             k, q = f64(args[0]), f64(args[1])
             want = np.einsum("nch,nrh->ncr", k, q)
             got = got[..., :q_rows]
+        elif step == "attend":  # softmax over the slots of the first p_rows scores, values
+            k, v, q = (f64(a) for a in args)
+            s = np.einsum("nch,nrh->nrc", k, q)[:, :p_rows]
+            e = np.exp(s - s.max(-1, keepdims=True))
+            want = np.einsum("nrc,nch->nrh", e / e.sum(-1, keepdims=True), v)
         else:  # [N, p_rows, Dh]
             p, v = f64(args[0]), f64(args[1])
             if v.shape[1] != C:  # stored [Dh, C]

@@ -26,7 +26,8 @@ from jaxllm.config import PRESETS  # noqa: E402
 
 
 def linear_shapes(cfg, layers: int) -> list[tuple[int, int]]:
-    """(N, K) of every linear layer's weight [out, in] in order, and the head's."""
+    """(N, K) of every layer's weights [out, in] in order, and the head's: q, k and v as one
+    product (the model runs them as three; the bytes are the same), gate and up as one."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     up = 2 * f if cfg.mlp == "swiglu" else f

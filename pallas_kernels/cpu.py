@@ -92,7 +92,7 @@ def build(cxx: Optional[str] = None, out_dir: Optional[Path] = None) -> Path:
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=".int8_rows-partial-", suffix=".so", dir=out_dir)
     os.close(fd)
     cmd = [exe, *FLAGS, "-isystem", include, str(SOURCE), "-o", tmp]
     log.info("jaxllm: building the int8 CPU kernel: %s", " ".join(cmd))

@@ -6,6 +6,40 @@ import os
 import platform
 import sys
 
+
+STEADY_HEAP = False  # set by steady_heap()
+
+
+def steady_heap() -> bool:
+    """Keep XLA:CPU's per-call buffers in glibc's heap; True where glibc took the settings.
+    The step-timing scripts call it first, before XLA starts its threads.
+
+    A jitted step called from Python allocates its temporaries on every call. glibc serves a
+    block of a few MiB by a fresh mmap or from a heap, depending on the process's allocation
+    history: its mmap threshold moves, and there is one heap per thread arena. A fresh mapping
+    is faulted in page by page on every call. One decode step with a 4.2 MiB arena took
+    28-30 ms instead of 20-21 (1,070 page faults a step), depending on what the process had
+    allocated before. That fits the single rows that a multi-format roofline run measured 2-3x
+    slow (runs 13-18, docs/BENCHMARKS.md).
+
+    The fix: a fixed 32 MiB threshold (glibc's largest), no trimming, and one arena. Then a
+    block under 32 MiB stays in the heap, and the same step had no faults at any allocation
+    history tried. Not for memory benchmarks: the process keeps what it frees.
+    jaxllm's own loops (generate, perplexity) run in one jit and allocate once per call, so
+    they do not pay this either way."""
+    global STEADY_HEAP
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+    STEADY_HEAP = bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and
+                       libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1) and
+                       libc.mallopt(M_ARENA_MAX, 1))
+    return STEADY_HEAP
+
+
 # JAXLLM_BENCHMARKS_MD redirects the tables (a lent machine writes them where they come back).
 DOC = os.environ.get("JAXLLM_BENCHMARKS_MD") or os.path.join(os.path.dirname(__file__), "..",
                                                              "docs", "BENCHMARKS.md")
@@ -22,7 +56,8 @@ def machine() -> str:
     dev = jax.devices()[0]
     acc = "" if dev.platform == "cpu" else f"{dev.device_kind} ({dev.platform}), "
     return (f"{acc}{cpu}, {os.cpu_count()} cores, jax {jax.__version__} "
-            f"({jax.default_backend()}), Python {platform.python_version()}")
+            f"({jax.default_backend()}), Python {platform.python_version()}"
+            + (", glibc heap held (_record.steady_heap)" if STEADY_HEAP else ""))
 
 
 def best_ms(fn, *args, n: int = 20) -> float:

@@ -121,4 +121,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from _record import steady_heap
+    steady_heap()  # before XLA starts its threads: see _record.steady_heap
     main()

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _record import record, time_decode  # noqa: E402
+from _record import record, steady_heap, time_decode  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
@@ -65,4 +65,5 @@ def main():
 
 
 if __name__ == "__main__":
+    steady_heap()  # before XLA starts its threads: see _record.steady_heap
     main()

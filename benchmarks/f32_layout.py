@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _record import read_ceiling_ms, record, time_decode  # noqa: E402
+from _record import read_ceiling_ms, record, steady_heap, time_decode  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -78,4 +78,5 @@ def main():
 
 
 if __name__ == "__main__":
+    steady_heap()  # before XLA starts its threads: see _record.steady_heap
     main()

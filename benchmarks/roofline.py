@@ -41,7 +41,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _record import best_ms, read_ceiling_ms, record, time_decode  # noqa: E402
+from _record import best_ms, read_ceiling_ms, record, steady_heap, time_decode  # noqa: E402
 from kv_products import step_passes_ms  # noqa: E402
 
 import jax  # noqa: E402
@@ -254,7 +254,8 @@ def main():
              f"that a read of as many bytes or more reached in the run (each row's bytes read "
              f"best of 20); read now: the row's bytes at the rate of a 512 MiB read right after "
              f"each round's steps (best of 3), median over rounds; of read now: the median over "
-             f"rounds of that read's time over the round's step time; weight products alone: every linear layer's product for the "
+             f"rounds of that read's time over the round's step time; weight products alone: "
+             f"every linear layer's product for the "
              f"batch's rows in the format's form, chained, best of 10; KV passes alone: every "
              f"layer's cache writes and its scores-softmax-values pass in jaxllm's forms for the "
              f"cache's dtype, benchmarks/kv_products.py, best of 10 each):\n\n"
@@ -265,4 +266,5 @@ def main():
 
 
 if __name__ == "__main__":
+    steady_heap()  # before XLA starts its threads: see _record.steady_heap
     main()

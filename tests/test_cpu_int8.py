@@ -55,6 +55,10 @@ def test_w8a8_matmul_takes_the_kernel_for_few_rows_and_equals_xla(per_channel, b
                                                                    backend="xla"), x, w)
     want = reference.w8a8_matmul(x, w, sx, jnp.broadcast_to(sw, (N,)), b)
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, w)), np.asarray(want))
+    # the raw accumulator (out_dtype=int32) through the kernel: numpy's exact products
+    acc = pallas_kernels.w8a8_matmul(x, w, sx, sw, out_dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(acc),
+                                  np.asarray(x, np.int64) @ np.asarray(w, np.int64).T)
     # a prefill's many rows keep XLA's GEMM
     many = jnp.zeros((cpu.FEW_ROWS + 1, K), jnp.int8)
     assert not uses_kernel(lambda x: pallas_kernels.w8a8_matmul(x, w, 1.0, sw), many)

@@ -20,10 +20,12 @@ measured, not guessed:
   ``v [N, Dh, C]``, in the keys' form; the bits by head groups.
 - float16 (not widened by XLA:CPU's normalization, so no bits are needed): scattered in place,
   keys and values widened by head groups.
-- attend: scores, softmax over the slots and values together. jaxllm's form is one pass by head
-  groups that widens the keys and values of a few heads at a time (``in_widened_groups`` over
-  both); the form before was a loop for the scores and one for the values, whose scores array
-  (a loop's output) XLA:CPU gave its own memory in every layer.
+- attend: scores, softmax over the slots and values together. jaxllm's form is the CPU kernel
+  (pallas_kernels/csrc/decode_attention.cc: each head's keys and values read once, widened in
+  registers) where it is available; without it, one pass by head groups that widens the keys
+  and values of a few heads at a time (``in_widened_groups`` over both); the form before that
+  was a loop for the scores and one for the values, whose scores array (a loop's output)
+  XLA:CPU gave its own memory in every layer.
 
     python benchmarks/kv_products.py
 """
@@ -40,6 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.quant import in_widened_groups, to_bits  # noqa: E402
+from pallas_kernels import cpu  # noqa: E402
 
 HEADS, DH = 12, 64
 
@@ -129,8 +132,22 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
         p = jax.nn.softmax(jnp.swapaxes(s, 1, 2), -1)
         return in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p)
 
-    def attend_one_pass(k, v, q):  # jaxllm's form: model._decode_attend
+    def attend_one_pass(k, v, q):  # jaxllm's form without the kernel: model._decode_attend
         return in_widened_groups(attend, (k, v), q)
+
+    # The CPU kernel (pallas_kernels/csrc/decode_attention.cc) computes the same pass: it scores
+    # each slot against the one rotation jaxllm's pick names (here the first, as ``attend``
+    # keeps) and divides by sqrt(Dh), which the query undoes.
+    pick = jnp.zeros((1, C), jnp.int32)
+
+    def attend_kernel(k, v, q):
+        return cpu.decode_attention(k, v, q * dh ** 0.5, pick, p_rows)
+    kernel = {}
+    if cpu.attention_available():
+        kernel = {("attend", "float32, CPU kernel (jaxllm)"): (attend_kernel, (k32, v32, q)),
+                  ("attend", "bfloat16 bits, CPU kernel (jaxllm)"): (
+                      attend_kernel, (kbits, vbits, q)),
+                  ("attend", "float16, CPU kernel (jaxllm)"): (attend_kernel, (kh, vh, q))}
 
     return {
         ("write", "float32 scatter"): (
@@ -162,22 +179,28 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
             lambda p, v: in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p), (p, vbits)),
         ("values", "float16 by head groups"): (
             lambda p, v: in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p), (p, vh)),
-        ("attend", "float32 (jaxllm)"): (attend_one_pass, (k32, v32, q)),
+        ("attend", "float32, one pass (without the kernel)"): (attend_one_pass, (k32, v32, q)),
         ("attend", "bfloat16 bits, two loops (before)"): (attend_two_loops, (kbits, vbits, q)),
-        ("attend", "bfloat16 bits, one pass by head groups (jaxllm)"): (
+        ("attend", "bfloat16 bits, one pass by head groups (without the kernel)"): (
             attend_one_pass, (kbits, vbits, q)),
         ("attend", "float16, two loops (before)"): (attend_two_loops, (kh, vh, q)),
-        ("attend", "float16, one pass by head groups (jaxllm)"): (attend_one_pass, (kh, vh, q)),
+        ("attend", "float16, one pass by head groups (without the kernel)"): (
+            attend_one_pass, (kh, vh, q)),
+        **kernel,
     }
 
 
 # The forms jaxllm's decode step takes (cache.write_token, model._decode_attend), by cache dtype
-# (a bfloat16 cache on CPU: cache.Bf16Bits).
-JAXLLM_FORMS = {"float32": ("float32 scatter", "float32 (jaxllm)"),
+# (a bfloat16 cache on CPU: cache.Bf16Bits); attention by the CPU kernel where it is available.
+_KERNEL = cpu.attention_available()
+JAXLLM_FORMS = {"float32": ("float32 scatter", "float32, CPU kernel (jaxllm)" if _KERNEL else
+                            "float32, one pass (without the kernel)"),
                 "bfloat16": ("bfloat16 bits scatter (jaxllm)",
-                             "bfloat16 bits, one pass by head groups (jaxllm)"),
+                             "bfloat16 bits, CPU kernel (jaxllm)" if _KERNEL else
+                             "bfloat16 bits, one pass by head groups (without the kernel)"),
                 "float16": ("float16 scatter (jaxllm)",
-                            "float16, one pass by head groups (jaxllm)")}
+                            "float16, CPU kernel (jaxllm)" if _KERNEL else
+                            "float16, one pass by head groups (without the kernel)")}
 
 
 def step_passes_ms(N: int, C: int, dtype: str, q_rows: int, p_rows: int, dh: int) -> float:

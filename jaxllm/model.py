@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+import pallas_kernels.cpu
 from pallas_kernels.reference import computed_once
 
 from . import cache as kvc
@@ -162,6 +163,15 @@ def _decode_probs(s, pick, mask, dist, cfg: ModelConfig, slopes=None):
     return _softmax(s, mask[:, None, None, :], cfg)
 
 
+def use_attention_kernel(k: Array) -> bool:
+    """Whether a decode step's attention over keys ``k`` [N, C, Dh] goes to the CPU kernel
+    (pallas_kernels.cpu.decode_attention): on CPU where it is built and this CPU runs it, for
+    the cache dtypes it reads and head dims up to 256."""
+    return (jax.default_backend() == "cpu" and k.shape[-1] <= 256
+            and k.dtype in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.uint16)
+            and pallas_kernels.cpu.attention_available())
+
+
 def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
                    int8_att: Optional[QAttention] = None):
     """One query per row against the whole cache after the step's write (cache.token_view).
@@ -193,6 +203,22 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         out = pv(p, v.reshape(B, KVH, C, Dh).astype(jnp.float32), absmax_scale(p, -1, True),
                  int8_att.real)
         return out.reshape(B, 1, H, Dh)
+    rows, N = R * G, B * KVH
+    qm = q.transpose(0, 2, 1, 3, 4).reshape(N, rows, Dh).astype(jnp.float32)  # row r * G + g
+    alibi = cfg.pos_emb == "alibi"
+    slopes = jnp.tile(jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max) if alibi
+                                  else np.zeros(H), jnp.float32).reshape(KVH, G), (B, 1))
+    mask = jnp.broadcast_to(plan.mask[:, 0], (B, C))
+    if use_attention_kernel(k):
+        # The CPU kernel (pallas_kernels/csrc/decode_attention.cc): each head's keys and values
+        # read once, 2-byte ones widened in registers, each slot scored against the one
+        # rotation it keeps. Pythia-160M's layer at 4,096 slots: 0.4 ms against 1.2 (float32)
+        # and 3.5 (bfloat16); docs/BENCHMARKS.md, "KV cache passes".
+        pick = jnp.where(mask, plan.pick if R > 1 else 0, -1)
+        out = pallas_kernels.cpu.decode_attention(
+            k, v, qm, pick, G, dist=plan.dist if alibi else None,
+            slopes=slopes if alibi else None, zero_sink=cfg.sink == "zero")
+        return out.reshape(B, 1, H, Dh)
     # Scores, softmax and values for a few heads at a time, in one pass: a 2-byte cache is
     # widened a group of heads at a time (quant.in_widened_groups), keys and values together,
     # and no [B * KVH, C] scores array lives between two loops. As two loops (scores, then
@@ -204,19 +230,14 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
     # hands a product of several query rows to YNNPACK, which took 2.7 ms per layer for 3 rows
     # at 4096 slots and 1.2 in this form (Pythia-160M, 4+4092, batch 1: 64 ms a step against
     # 45-50, and 42 for one row alone, which would be wrong).
-    rows, N = R * G, B * KVH
-    qm = q.transpose(0, 2, 1, 3, 4).reshape(N, rows, Dh).astype(jnp.float32)
     qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
 
     def by_head(a):  # [B, ...] -> [B * KVH, ...], row b * KVH + h
         return jnp.broadcast_to(a[:, None], (a.shape[0], KVH) + a.shape[1:]).reshape(
             N, *a.shape[1:])
-    mask = by_head(jnp.broadcast_to(plan.mask[:, 0], (B, C)))
+    mask = by_head(mask)
     pick = by_head(plan.pick) if R > 1 else mask  # (unused without RoPE)
-    alibi = cfg.pos_emb == "alibi"
     dist = by_head(plan.dist) if alibi else mask  # (unused without ALiBi)
-    slopes = jnp.tile(jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max) if alibi
-                                  else np.zeros(H), jnp.float32).reshape(KVH, G), (B, 1))
 
     def attend(k, v, qm, mask, pick, dist, slopes):  # the rows of some heads -> [n, G, Dh]
         n = k.shape[0]

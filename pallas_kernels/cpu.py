@@ -1,5 +1,6 @@
-"""A hand-written CPU kernel for W8A8 decoding: the int8 x int8 -> int32 product of a few rows
-(``csrc/int8_rows.cc``), as an XLA FFI custom call.
+"""Hand-written CPU kernels for decoding, as XLA FFI custom calls: the int8 x int8 -> int32
+product of a few rows for W8A8 (``csrc/int8_rows.cc``), and a decode step's attention against
+the whole KV cache (``csrc/decode_attention.cc``).
 
 Why: XLA:CPU hands a few-row int8 product to YNNPACK, which at 8 rows does about 50 G
 multiply-adds a second on a 2-core machine, so a W8A8 decode step at batch 8 spent more time in
@@ -8,12 +9,18 @@ roofline). The kernel reads each weight row once for all the rows, multiplies wi
 (64 multiply-adds an instruction) and splits the output rows over XLA's intra-op threads. Its
 sums are exact, so it returns what XLA's dot returns, bit for bit.
 
-The kernel is built on first use with the machine's C++ compiler (``$CXX``, else ``c++``) and
-``-march=native``, against the FFI headers that jaxlib ships, and cached (``$JAXLLM_CACHE_DIR``,
-else ``~/.cache/jaxllm``) under a key of the source, the flags, the compiler, jaxlib's version
-and the CPU. It is used only on x86-64 CPUs with VNNI, for up to ``FEW_ROWS`` rows: elsewhere, or
-when it cannot be built (a warning says why), products go to XLA as before.
-``JAXLLM_CPU_KERNELS=0`` turns it off (no build).
+Why the attention kernel: XLA:CPU scores the query's rows against the keys with YNNPACK and
+weights the values with a second product, reading a float32 cache at 6-15 GB/s on this machine
+and a 2-byte cache only after widening it into float32 copies. The kernel reads each head's keys
+and values once, widens 2-byte ones in registers, and scores each slot against the one query
+rotation it needs (docs/BENCHMARKS.md, "KV cache passes").
+
+The kernels are built on first use with the machine's C++ compiler (``$CXX``, else ``c++``) and
+``-march=native``, against the FFI headers that jaxlib ships, into one library cached
+(``$JAXLLM_CACHE_DIR``, else ``~/.cache/jaxllm``) under a key of the sources, the flags, the
+compiler, jaxlib's version and the CPU. They are used only on x86-64 CPUs with AVX-512 (the int8
+one with VNNI, for up to ``FEW_ROWS`` rows): elsewhere, or when they cannot be built (a warning
+says why), XLA computes as before. ``JAXLLM_CPU_KERNELS=0`` turns them off (no build).
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -32,10 +40,13 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int, Int8
+import numpy as np
+from jaxtyping import Array, Float, Int, Int8
 
-SOURCE = Path(__file__).with_name("csrc") / "int8_rows.cc"
+SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("int8_rows.cc",
+                                                              "decode_attention.cc"))
 TARGET = "jaxllm_int8_rows"
+ATTENTION_TARGET = "jaxllm_decode_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # Decode's rows (jaxllm.quant.MANY_ROWS). Pythia-160M's 49 int8 products chained, against XLA's
 # (YNNPACK): 1.4x at 1 row, 1.7-2.2x at 2-8, 1.4x at 64 (docs/BENCHMARKS.md, "INT8 rows"); past
@@ -77,7 +88,7 @@ def _cpu_id() -> str:
 
 
 def build(cxx: Optional[str] = None, out_dir: Optional[Path] = None) -> Path:
-    """The kernel's shared library, compiled now unless a cached one has the same key; written
+    """The kernels' shared library, compiled now unless a cached one has the same key; written
     atomically (a temporary file renamed into place), so concurrent builds do not collide."""
     cxx = cxx or os.environ.get("CXX") or "c++"
     exe = shutil.which(cxx)
@@ -85,21 +96,22 @@ def build(cxx: Optional[str] = None, out_dir: Optional[Path] = None) -> Path:
         raise CPUKernelError(f"no C++ compiler {cxx!r} on PATH (set $CXX, or "
                              f"JAXLLM_CPU_KERNELS=0 to use XLA's int8 dot without trying)")
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), exe, jax.__version__,
-                                    _jaxlib_version(), _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), exe,
+                                    jax.__version__, _jaxlib_version(), _cpu_id()]
+                                   ).encode()).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
-    lib = out_dir / f"int8_rows-{key}.so"
+    lib = out_dir / f"cpu_kernels-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".int8_rows-partial-", suffix=".so", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-partial-", suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [exe, *FLAGS, "-isystem", include, str(SOURCE), "-o", tmp]
-    log.info("jaxllm: building the int8 CPU kernel: %s", " ".join(cmd))
+    cmd = [exe, *FLAGS, "-isystem", include, *map(str, SOURCES), "-o", tmp]
+    log.info("jaxllm: building the CPU kernels: %s", " ".join(cmd))
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise CPUKernelError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n"
+            raise CPUKernelError(f"building the CPU kernels failed ({' '.join(cmd)}):\n"
                                  f"{res.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
     finally:
@@ -115,35 +127,57 @@ def _jaxlib_version() -> str:
 
 @functools.cache
 def _library() -> tuple[Optional[ctypes.CDLL], str]:
-    """(the loaded library, "") when the kernel is usable here, else (None, why not). Built and
-    registered with XLA once per process."""
+    """(the loaded library, "") when the kernels can be used here, else (None, why not). Built
+    and registered with XLA once per process."""
     if not enabled():
         return None, "turned off by JAXLLM_CPU_KERNELS=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"no kernel for {platform.machine()} (AVX-512 VNNI is x86-64)"
+        return None, f"no kernels for {platform.machine()} (AVX-512 is x86-64)"
     if not hasattr(jax, "ffi"):
         return None, f"jax {jax.__version__} has no jax.ffi (0.4.38 or later has)"
     try:
         lib = ctypes.CDLL(str(build()))
     except (CPUKernelError, OSError) as e:
-        warnings.warn(f"jaxllm: the int8 CPU kernel is not available, W8A8 decode uses XLA's "
-                      f"int8 dot (slower at a few rows): {e}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"jaxllm: the CPU kernels are not available, decoding uses XLA's "
+                      f"products (slower at a few rows): {e}", RuntimeWarning, stacklevel=3)
         return None, str(e)
-    if not lib.jaxllm_int8_rows_vnni():
-        return None, "this CPU has no AVX-512 VNNI: XLA's int8 dot is the faster one here"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxllmInt8Rows), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxllmDecodeAttention),
+                                platform="cpu")
     return lib, ""
 
 
-def status() -> str:
-    """One line: whether few-row int8 products on this machine use the kernel, and if not why."""
+def _why_not_int8() -> str:
     lib, why = _library()
-    return "int8 rows: AVX-512 VNNI kernel" if lib is not None else f"int8 rows: XLA ({why})"
+    if lib is not None and not lib.jaxllm_int8_rows_vnni():
+        return "this CPU has no AVX-512 VNNI: XLA's int8 dot is the faster one here"
+    return why
+
+
+def _why_not_attention() -> str:
+    lib, why = _library()
+    if lib is not None and not lib.jaxllm_decode_attention_avx512():
+        return "this CPU has no AVX-512 (F, BW, VL): the jnp path is used"
+    return why
+
+
+def status() -> str:
+    """Whether decode's few-row int8 products and its attention use the kernels on this
+    machine, and if not why: two lines."""
+    why8, whya = _why_not_int8(), _why_not_attention()
+    return "\n".join([
+        "int8 rows: AVX-512 VNNI kernel" if not why8 else f"int8 rows: XLA ({why8})",
+        "decode attention: AVX-512 kernel" if not whya else f"decode attention: XLA ({whya})"])
 
 
 def available() -> bool:
-    """The kernel is built, loaded and registered, and this CPU runs it (VNNI)."""
-    return _library()[0] is not None
+    """The int8 kernel is built, loaded and registered, and this CPU runs it (VNNI)."""
+    return not _why_not_int8()
+
+
+def attention_available() -> bool:
+    """The decode-attention kernel is built, loaded and registered, and this CPU runs it."""
+    return not _why_not_attention()
 
 
 def use_for(m: int, k: int) -> bool:
@@ -155,7 +189,7 @@ def use_for(m: int, k: int) -> bool:
 def int8_rows(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n"]:
     """x @ wᵀ, int8 x int8 -> int32 exactly, by the kernel (``w`` K-major [N, K])."""
     if not available():
-        raise CPUKernelError(f"the int8 CPU kernel is not available: {_library()[1]}")
+        raise CPUKernelError(f"the int8 CPU kernel is not available: {_why_not_int8()}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"int8_rows needs x [M, K] and w [N, K] with the same K; got {x.shape} "
                          f"and {w.shape}")
@@ -165,3 +199,38 @@ def int8_rows(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n"]
         raise ValueError(f"int8_rows needs K < {MAX_K}, got {x.shape[1]}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+
+
+def decode_attention(k: Array, v: Array, q: Float[Array, "n rg d"], pick: Int[Array, "b c"],
+                     groups: int, *, dist: Optional[Int[Array, "b c"]] = None,
+                     slopes: Optional[Float[Array, "n g"]] = None,
+                     zero_sink: bool = False) -> Float[Array, "n g d"]:
+    """One decode step's attention by the kernel (``csrc/decode_attention.cc``): for head row
+    ``n`` of ``k``, ``v`` [N, C, D] (float32, float16, bfloat16 or its uint16 bits; N = B * KVH,
+    row n in batch n // KVH), each slot ``c`` is scored against the ``groups`` query rows
+    ``pick[b, c] * groups + g`` of ``q`` [N, R * groups, D] (``pick`` < 0: masked), divided by
+    sqrt(D), less ``slopes[n, g] * dist[b, c]`` when ALiBi; softmax over the slots (with one
+    zero score of value 0 when ``zero_sink``); the values weighted by it -> [N, groups, D]."""
+    if not attention_available():
+        raise CPUKernelError(f"the decode-attention CPU kernel is not available: "
+                             f"{_why_not_attention()}")
+    N, C, D = k.shape
+    B = pick.shape[0]
+    if (v.shape != k.shape or v.dtype != k.dtype or q.ndim != 3 or q.shape[0] != N
+            or q.shape[2] != D or q.shape[1] % groups or pick.shape != (B, C) or N % B):
+        raise ValueError(f"decode_attention needs k, v [N, C, D], q [N, R*G, D] and pick [B, C] "
+                         f"with N a multiple of B; got k {k.shape} {k.dtype}, v {v.shape} "
+                         f"{v.dtype}, q {q.shape}, pick {pick.shape}, groups {groups}")
+    if k.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.uint16):
+        raise ValueError(f"decode_attention reads float32, float16 or bfloat16 caches (or "
+                         f"bfloat16's uint16 bits), not {k.dtype}")
+    if D > 256:
+        raise ValueError(f"decode_attention handles head dims up to 256, got {D}")
+    alibi = dist is not None
+    dist = jnp.zeros((B, C), jnp.int32) if dist is None else dist.astype(jnp.int32)
+    slopes = (jnp.zeros((N, groups), jnp.float32) if slopes is None
+              else jnp.broadcast_to(slopes, (N, groups)).astype(jnp.float32))
+    out = jax.ShapeDtypeStruct((N, groups, D), jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_TARGET, out, vmap_method="sequential")(
+        k, v, q.astype(jnp.float32), pick.astype(jnp.int32), dist, slopes,
+        root_d=np.float32(math.sqrt(D)), alibi=alibi, zero_sink=zero_sink)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from reference import NaiveStream, _rope, naive_logits
 
 import jaxllm
+import pallas_kernels.cpu
 from jaxllm.model import apply
 
 PARAMS = {"neox": jaxllm.init_params(NEOX, jax.random.key(0)),
@@ -130,11 +131,26 @@ DECODE_CASES = {  # (cfg, sinks, window, evict)
 }
 
 
+@pytest.fixture(params=["kernel", "jnp"])
+def attention_path(request, monkeypatch):
+    """A decode step's attention by the CPU kernel (pallas_kernels/csrc/decode_attention.cc;
+    skipped where it is not available) or by the jnp path it replaces where it is not."""
+    from jaxllm import model
+    if request.param == "kernel" and not (jax.default_backend() == "cpu"
+                                          and pallas_kernels.cpu.attention_available()):
+        pytest.skip(f"no decode-attention kernel here: {pallas_kernels.cpu.status()}")
+    if request.param == "jnp":
+        monkeypatch.setattr(model, "use_attention_kernel", lambda k: False)
+    jax.clear_caches()  # traces made under the other path must not be reused
+    yield request.param
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_steps_equal_naive(case):
+def test_decode_steps_equal_naive(case, attention_path):
     """One token per call takes the decode path (write the token, then read the cache): two rows
     with different pauses (lengths 0) through sink filling, ring wrap-arounds and the window,
-    against the token-by-token naive cache."""
+    against the token-by-token naive cache, by the CPU kernel and by the jnp path."""
     cfg, S, W, evict = DECODE_CASES[case]
     params = jaxllm.init_params(cfg, jax.random.key(3))
     rng = np.random.default_rng(4)
@@ -315,11 +331,12 @@ def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
 
 @pytest.mark.parametrize("family", ["neox", "llama"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype):
+def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype, attention_path):
     """A decode step reads a bfloat16 cache on CPU as its uint16 bits (cache.Bf16Bits) and a
-    float16 cache as stored, widened a few heads at a time (quant.in_widened_groups): on the same
-    2-byte keys and values, widened to float32 for the float32 path, both give the same output
-    to float32 rounding, on a ring past a lap; also with groups of one head (a loop over all)."""
+    float16 cache as stored, widened in registers by the CPU kernel or a few heads at a time by
+    the jnp path (quant.in_widened_groups): on the same 2-byte keys and values, widened to
+    float32 for the float32 path, both give the same output to float32 rounding, on a ring past
+    a lap; also with groups of one head (a loop over all)."""
     from jaxllm import cache as kvc
     from jaxllm import quant
     from jaxllm.model import _decode_attend, attn_plan

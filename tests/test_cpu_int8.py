@@ -87,7 +87,8 @@ def test_turned_off_by_the_environment():
     env = dict(os.environ, JAXLLM_CPU_KERNELS="0", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["int8 rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)", "256.0"]
+    assert out == ["int8 rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
+                   "decode attention: XLA (turned off by JAXLLM_CPU_KERNELS=0)", "256.0"]
 
 
 def test_a_missing_compiler_is_named_with_the_way_out(tmp_path):

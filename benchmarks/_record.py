@@ -89,6 +89,17 @@ def read_ceiling_ms(nbytes: int) -> float:
     return ms
 
 
+def full_ring(cache):
+    """``cache`` (a sink + ring KV cache) as after a long stream: every slot filled, so a decode
+    step attends to all of them, as it does in steady streaming. A fresh cache has its slots
+    masked, and the decode-attention kernel skips a masked slot's keys: timed from empty, a
+    step would read fewer bytes than the ring holds. The values are whatever the cache holds."""
+    import jax.numpy as jnp
+    B = cache.length.shape[0]
+    return cache.replace(length=jnp.full((B,), cache.capacity, jnp.int32),
+                         head=jnp.zeros((B,), jnp.int32))
+
+
 def time_decode(step, params, cache, steps: int, warmup: int = 2):
     """``(ms per call, cache)`` of ``step(params, tokens=, cache=, lens=)`` decoding one token per
     row of ``cache`` (compiled and warmed up first; the cache is donated and threaded through)."""

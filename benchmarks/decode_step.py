@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _record import record, steady_heap, time_decode  # noqa: E402
+from _record import full_ring, record, steady_heap, time_decode  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
@@ -56,7 +56,8 @@ def main():
              "|---:|---|---:|---:|---:|---:|"]
     pc = CachePolicy("streaming", a.sinks, a.cache)
     for B in [int(b) for b in a.batch.split(",")]:
-        ms, cache = time_decode(step, params, pc.make_cache(cfg, B, 0), a.steps, warmup=3)
+        ms, cache = time_decode(step, params, full_ring(pc.make_cache(cfg, B, 0)), a.steps,
+                                warmup=3)
         mib = sum(x.nbytes for x in cache.k + cache.v) / 2**20
         lines.append(f"| {B} | {pc.label} | {mib:.0f} | {ms:.2f} | "
                      f"{B * 1e3 / ms:.0f} | {mib / 1024 / (ms / 1e3):.1f} GB/s |")

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _record import read_ceiling_ms, record, steady_heap, time_decode  # noqa: E402
+from _record import full_ring, read_ceiling_ms, record, steady_heap, time_decode  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -55,7 +55,7 @@ def main():
     lines = ["| batch | kernels | ms/step | speed | read ceiling (ms) | of ceiling |",
              "|---:|---|---:|---:|---:|---:|"]
     for B in [int(b) for b in a.batch.split(",")]:
-        caches = {n: policy.make_cache(cfg, B, 0) for n in models}
+        caches = {n: full_ring(policy.make_cache(cfg, B, 0)) for n in models}
         times = {n: [] for n in models}
         for r in range(a.rounds + 1):  # round 0 compiles and warms up
             for n, p in models.items():

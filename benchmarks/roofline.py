@@ -41,7 +41,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _record import best_ms, read_ceiling_ms, record, steady_heap, time_decode  # noqa: E402
+from _record import (best_ms, full_ring, read_ceiling_ms, record, steady_heap,  # noqa: E402
+                     time_decode)
 from kv_products import step_passes_ms  # noqa: E402
 
 import jax  # noqa: E402
@@ -188,7 +189,8 @@ def main():
         for B in [int(x) for x in a.batch.split(",")]:
             # Every format's rounds alternate, so a machine slowing down mid-run (a shared one
             # does) shifts all of them alike and the ratios between formats hold.
-            caches = {n: pc.make_cache(m[0], B, 0, dtype=m[2]) for n, m in models.items()}
+            caches = {n: full_ring(pc.make_cache(m[0], B, 0, dtype=m[2]))
+                      for n, m in models.items()}
             kvb = {n: sum(x.nbytes for x in jax.tree.leaves((c.k, c.v)))
                    for n, c in caches.items()}
             times = {n: [] for n in models}

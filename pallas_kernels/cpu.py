@@ -43,8 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, Int8
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("int8_rows.cc",
-                                                              "decode_attention.cc"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "int8_rows.cc", CSRC / "decode_attention.cc")
+HEADERS = (CSRC / "blocks.h",)
 TARGET = "jaxllm_int8_rows"
 ATTENTION_TARGET = "jaxllm_decode_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -96,9 +97,9 @@ def build(cxx: Optional[str] = None, out_dir: Optional[Path] = None) -> Path:
         raise CPUKernelError(f"no C++ compiler {cxx!r} on PATH (set $CXX, or "
                              f"JAXLLM_CPU_KERNELS=0 to use XLA's int8 dot without trying)")
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), exe,
-                                    jax.__version__, _jaxlib_version(), _cpu_id()]
-                                   ).encode()).hexdigest()[:16]
+    texts = [f.read_text() for f in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), exe, jax.__version__,
+                                    _jaxlib_version(), _cpu_id()]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
     lib = out_dir / f"cpu_kernels-{key}.so"
     if lib.exists():

@@ -24,12 +24,8 @@
 // Two passes (scores, then values) rather than an online softmax: the same operations in the same
 // order as the jnp path up to the summation order of the dot products.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -37,6 +33,7 @@
 #define JAXLLM_AVX512 1
 #endif
 
+#include "blocks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -182,25 +179,11 @@ void head_any(const Args& a, int64_t n, float* s) {
   head<K, 0>(a, n, s);
 }
 
-// Head rows claimed from one counter by the calling thread and helpers on XLA's pool; the caller
-// waits only for rows already claimed (as in int8_rows.cc: a busy pool costs parallelism, never a
-// deadlock). Shared-owned: a helper that starts after the call returned finds no row left.
-struct Work {
-  std::atomic<int64_t> next{0}, done{0};
-  Args a;
-  Kind kind = Kind::kF32;
-  void run() {
-    std::vector<float> s(a.G * a.C);
-    for (int64_t n; (n = next.fetch_add(1, std::memory_order_relaxed)) < a.N;) {
-      switch (kind) {
-        case Kind::kF32: head_any<Kind::kF32>(a, n, s.data()); break;
-        case Kind::kF16: head_any<Kind::kF16>(a, n, s.data()); break;
-        case Kind::kBf16: head_any<Kind::kBf16>(a, n, s.data()); break;
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
+template <Kind K>
+void head_of(const Args& a, int64_t n) {
+  std::vector<float> s(a.G * a.C);  // this head's scores, then probabilities
+  head_any<K>(a, n, s.data());
+}
 #endif  // JAXLLM_AVX512
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -229,27 +212,31 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer k, ffi::AnyBuffe
   return ffi::Error::InvalidArgument(
       "jaxllm_decode_attention was built without AVX-512; use the jnp path");
 #else
-  auto work = std::make_shared<Work>();
+  Kind kind;
   switch (k.element_type()) {
-    case ffi::DataType::F32: work->kind = Kind::kF32; break;
-    case ffi::DataType::F16: work->kind = Kind::kF16; break;
+    case ffi::DataType::F32: kind = Kind::kF32; break;
+    case ffi::DataType::F16: kind = Kind::kF16; break;
     case ffi::DataType::BF16:
-    case ffi::DataType::U16: work->kind = Kind::kBf16; break;
+    case ffi::DataType::U16: kind = Kind::kBf16; break;
     default:
       return ffi::Error::InvalidArgument(
           "jaxllm_decode_attention: k and v must be float32, float16, bfloat16 or its uint16 "
           "bits");
   }
-  Args& a = work->a;
+  Args a;
   a.k = k.untyped_data(), a.v = v.untyped_data(), a.q = q.typed_data();
   a.pick = pick.typed_data(), a.dist = dist.typed_data(), a.slopes = slopes.typed_data();
   a.out = out->typed_data();
   a.N = N, a.C = C, a.D = D, a.G = G, a.R = qd[1] / G, a.KVH = N / B;
   a.root_d = root_d, a.alibi = alibi, a.zero_sink = zero_sink;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t h = 0; h < std::min(threads - 1, N - 1); ++h) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < N) std::this_thread::yield();
+  // One block per head row.
+  jaxllm::for_each_block(pool, N, [a, kind](int64_t n) {
+    switch (kind) {
+      case Kind::kF32: head_of<Kind::kF32>(a, n); break;
+      case Kind::kF16: head_of<Kind::kF16>(a, n); break;
+      case Kind::kBf16: head_of<Kind::kBf16>(a, n); break;
+    }
+  });
 #endif
   return ffi::Error::Success();
 }

@@ -95,7 +95,7 @@ def build(cxx: Optional[str] = None, out_dir: Optional[Path] = None) -> Path:
     exe = shutil.which(cxx)
     if exe is None:
         raise CPUKernelError(f"no C++ compiler {cxx!r} on PATH (set $CXX, or "
-                             f"JAXLLM_CPU_KERNELS=0 to use XLA's int8 dot without trying)")
+                             f"JAXLLM_CPU_KERNELS=0 to use XLA without trying)")
     include = jax.ffi.include_dir()
     texts = [f.read_text() for f in SOURCES + HEADERS]
     key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), exe, jax.__version__,

@@ -1,10 +1,10 @@
 """The decode-attention CPU kernel (pallas_kernels/csrc/decode_attention.cc) against a float64
 numpy softmax-attention written from its definition, over every cache dtype it reads, head
 dims and slot counts that are not multiples of its 16-lane vectors, grouped query heads,
-RoPE's three rotations, ALiBi, softmax-off-by-one and masked slots. The decode path through it
-is checked against the naive cache in tests/test_cache.py (its ``attention_path`` fixture runs
-those tests by the kernel and by the jnp path). Without a C++ compiler or AVX-512 these skip,
-saying why."""
+RoPE's three rotations, ALiBi, softmax-off-by-one, masked slots, and heads split into chunks
+of slots. The decode path through it is checked against the naive cache in tests/test_cache.py
+(its ``attention_path`` fixture runs those tests by the kernel and by the jnp path). Without a
+C++ compiler or AVX-512 these skip, saying why."""
 import os
 import subprocess
 import sys
@@ -50,6 +50,9 @@ CASES = {  # B, KVH, G, R, C, D, alibi, zero_sink
     "one head, no RoPE, zero sink": (1, 1, 4, 1, 1000, 128, False, True),
     "tiny": (3, 2, 2, 3, 5, 8, False, False),
     "head dim 256, one slot": (1, 2, 1, 3, 1, 256, False, False),
+    # few heads: each head's slots split in chunks, their partial sums combined
+    "MQA in chunks, ALiBi, zero sink": (2, 1, 2, 3, 2500, 64, True, True),
+    "one head in chunks": (1, 1, 1, 3, 3000, 80, False, False),
 }
 
 

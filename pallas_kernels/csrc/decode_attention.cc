@@ -19,13 +19,15 @@
 // Why: XLA:CPU scores a few query rows against the keys with YNNPACK and weights the values with
 // a second product, reading a float32 cache at 6-14 GB/s here and a 2-byte one after widening it
 // into float32 copies (docs/BENCHMARKS.md, "KV cache passes"). Here each head's keys are read
-// once, widened in registers, and only the picked rotation is scored; the scores (G * C floats)
-// stay in the caches for the values pass. Heads are split over XLA's intra-op thread pool.
-// Two passes (scores, then values) rather than an online softmax: the same operations in the same
-// order as the jnp path up to the summation order of the dot products.
+// once, widened in registers, and only the picked rotation is scored; a chunk's scores stay in
+// the caches for its values pass. Work is split over XLA's intra-op thread pool by head and, when
+// there are few heads (batch 1 with few KV heads), by chunks of slots, whose partial softmax sums
+// are rescaled to the largest score and combined (as flash-decoding does). Results equal the jnp
+// path's to float32 rounding: the sums run in a different order and the division comes last.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -41,6 +43,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kNegInf = -1e30f;  // jaxllm.model.NEG_INF
+// The fewest slots a head's chunk has when its slots are split over threads.
+constexpr int64_t kMinChunk = 512;
 
 #ifdef JAXLLM_AVX512
 enum class Kind { kF32, kF16, kBf16 };
@@ -90,24 +94,27 @@ struct Args {
   bool alibi = false, zero_sink = false;
 };
 
-// Head row n: scores into ``s`` [G, C], softmax in place, then the values into out[n].
+// Slots [c0, c1) of head row n, for each of its G query heads: the chunk's largest score m, the
+// sum l of exp(score - m), and the sum of exp(score - m) * v, written to ``part`` as [G] m, [G] l,
+// [G, D] sums. ``s`` [G, c1 - c0] holds the chunk's scores, then their exponentials.
 template <Kind K, int kG>
-void head(const Args& a, int64_t n, float* s) {
+void chunk(const Args& a, int64_t n, int64_t c0, int64_t c1, float* s, float* part) {
   constexpr int64_t esize = K == Kind::kF32 ? 4 : 2;
-  const int64_t C = a.C, D = a.D, G = kG > 0 ? kG : a.G;
+  const int64_t C = a.C, D = a.D, G = kG > 0 ? kG : a.G, L = c1 - c0;
   const int64_t b = n / a.KVH, nv = (D + 15) / 16;
-  const char* kb = static_cast<const char*>(a.k) + n * C * D * esize;
-  const char* vb = static_cast<const char*>(a.v) + n * C * D * esize;
+  const char* kb = static_cast<const char*>(a.k) + (n * C + c0) * D * esize;
+  const char* vb = static_cast<const char*>(a.v) + (n * C + c0) * D * esize;
   const float* q = a.q + n * a.R * G * D;
-  const int32_t* pick = a.pick + b * C;
+  const int32_t* pick = a.pick + b * C + c0;
+  const int32_t* dist = a.dist + b * C + c0;
   const __mmask16 tail = D % 16 ? static_cast<__mmask16>((1u << (D % 16)) - 1) : 0xFFFF;
   auto mask_of = [&](int64_t j) { return j == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF); };
 
-  // Scores. One slot's keys are loaded once for its G query heads.
-  for (int64_t c = 0; c < C; ++c) {
+  // Scores. One slot's keys are loaded once for its G query heads; a masked slot's not at all.
+  for (int64_t c = 0; c < L; ++c) {
     const int32_t r = pick[c];
     if (r < 0) {
-      for (int64_t g = 0; g < G; ++g) s[g * C + c] = kNegInf;
+      for (int64_t g = 0; g < G; ++g) s[g * L + c] = kNegInf;
       continue;
     }
     const char* kr = kb + c * D * esize;
@@ -120,20 +127,20 @@ void head(const Args& a, int64_t n, float* s) {
                               _mm512_maskz_loadu_ps(m, qr + g * D + j * 16), acc);
       }
       float x = _mm512_reduce_add_ps(acc) / a.root_d;
-      if (a.alibi) x -= a.slopes[n * G + g] * static_cast<float>(a.dist[b * C + c]);
-      s[g * C + c] = x;
+      if (a.alibi) x -= a.slopes[n * G + g] * static_cast<float>(dist[c]);
+      s[g * L + c] = x;
     }
   }
-  // Softmax over the slots (and the virtual zero score of softmax-off-by-one), 16 at a time.
-  const int64_t cv = C - C % 16;
-  const __mmask16 ctail = static_cast<__mmask16>((1u << (C % 16)) - 1);
+  // The chunk's max and sum of exponentials, 16 slots at a time.
+  const int64_t cv = L - L % 16;
+  const __mmask16 ctail = static_cast<__mmask16>((1u << (L % 16)) - 1);
+  const __m512 neg = _mm512_set1_ps(kNegInf);
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * C;
-    const __m512 neg = _mm512_set1_ps(kNegInf);
+    float* sg = s + g * L;
     __m512 m16 = neg;
     for (int64_t c = 0; c < cv; c += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(sg + c));
     if (ctail) m16 = _mm512_max_ps(m16, _mm512_mask_loadu_ps(neg, ctail, sg + cv));
-    const float mx = std::max(_mm512_reduce_max_ps(m16), a.zero_sink ? 0.f : kNegInf);
+    const float mx = _mm512_reduce_max_ps(m16);
     const __m512 mxv = _mm512_set1_ps(mx);
     __m512 sum16 = _mm512_setzero_ps();
     for (int64_t c = 0; c < cv; c += 16) {
@@ -146,43 +153,61 @@ void head(const Args& a, int64_t n, float* s) {
       _mm512_mask_storeu_ps(sg + cv, ctail, e);
       sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(ctail, e));
     }
-    const float sum = _mm512_reduce_add_ps(sum16) + (a.zero_sink ? std::exp(-mx) : 0.f);
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
-    for (int64_t c = 0; c < cv; c += 16)
-      _mm512_storeu_ps(sg + c, _mm512_mul_ps(_mm512_loadu_ps(sg + c), inv));
-    for (int64_t c = cv; c < C; ++c) sg[c] *= 1.f / sum;
+    part[g] = mx;
+    part[G + g] = _mm512_reduce_add_ps(sum16);
   }
-  // Values: out[g] = sum_c p[g, c] v[c], accumulated in registers for D <= 256.
-  float* out = a.out + n * G * D;
-  for (int64_t j0 = 0; j0 < nv; j0 += 16) {  // 16 vectors of the head dimension at a time
+  // Values weighted by the exponentials, accumulated in registers (16 vectors of the head
+  // dimension at a time: D <= 256 in one pass).
+  float* sums = part + 2 * G;
+  for (int64_t j0 = 0; j0 < nv; j0 += 16) {
     const int64_t jn = std::min<int64_t>(16, nv - j0);
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc[16];
       for (int64_t j = 0; j < jn; ++j) acc[j] = _mm512_setzero_ps();
-      const float* pg = s + g * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const __m512 p = _mm512_set1_ps(pg[c]);
+      const float* eg = s + g * L;
+      for (int64_t c = 0; c < L; ++c) {
+        const __m512 e = _mm512_set1_ps(eg[c]);
         const char* vr = vb + (c * D + j0 * 16) * esize;
         for (int64_t j = 0; j < jn; ++j)
-          acc[j] = _mm512_fmadd_ps(p, load16<K>(vr + j * 16 * esize, mask_of(j0 + j)), acc[j]);
+          acc[j] = _mm512_fmadd_ps(e, load16<K>(vr + j * 16 * esize, mask_of(j0 + j)), acc[j]);
       }
       for (int64_t j = 0; j < jn; ++j)
-        _mm512_mask_storeu_ps(out + g * D + (j0 + j) * 16, mask_of(j0 + j), acc[j]);
+        _mm512_mask_storeu_ps(sums + g * D + (j0 + j) * 16, mask_of(j0 + j), acc[j]);
     }
   }
 }
 
 template <Kind K>
-void head_any(const Args& a, int64_t n, float* s) {
+void chunk_any(const Args& a, int64_t n, int64_t c0, int64_t c1, float* part) {
+  std::vector<float> s(a.G * (c1 - c0));
   // G = 1 (multi-head) is the common case; a compile-time 1 lets the compiler drop its loops.
-  if (a.G == 1) return head<K, 1>(a, n, s);
-  head<K, 0>(a, n, s);
+  if (a.G == 1) return chunk<K, 1>(a, n, c0, c1, s.data(), part);
+  chunk<K, 0>(a, n, c0, c1, s.data(), part);
 }
 
-template <Kind K>
-void head_of(const Args& a, int64_t n) {
-  std::vector<float> s(a.G * a.C);  // this head's scores, then probabilities
-  head_any<K>(a, n, s.data());
+// out[n, g] from the chunks' parts: each chunk's sums rescaled to the largest score M of all
+// (and of softmax-off-by-one's zero score), divided by the rescaled sum of exponentials.
+void combine(const Args& a, int64_t P, const float* parts) {
+  const int64_t G = a.G, D = a.D, stride = G * (D + 2);
+  for (int64_t n = 0; n < a.N; ++n) {
+    const float* pn = parts + n * P * stride;
+    for (int64_t g = 0; g < G; ++g) {
+      float M = a.zero_sink ? 0.f : kNegInf;
+      for (int64_t p = 0; p < P; ++p) M = std::max(M, pn[p * stride + g]);
+      float den = a.zero_sink ? std::exp(-M) : 0.f;
+      float* out = a.out + (n * G + g) * D;
+      std::fill(out, out + D, 0.f);
+      for (int64_t p = 0; p < P; ++p) {
+        const float* part = pn + p * stride;
+        const float w = std::exp(part[g] - M);
+        den += w * part[G + g];
+        const float* sums = part + 2 * G + g * D;
+        for (int64_t d = 0; d < D; ++d) out[d] += w * sums[d];
+      }
+      const float inv = 1.f / den;
+      for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+    }
+  }
 }
 #endif  // JAXLLM_AVX512
 
@@ -229,14 +254,30 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer k, ffi::AnyBuffe
   a.out = out->typed_data();
   a.N = N, a.C = C, a.D = D, a.G = G, a.R = qd[1] / G, a.KVH = N / B;
   a.root_d = root_d, a.alibi = alibi, a.zero_sink = zero_sink;
-  // One block per head row.
-  jaxllm::for_each_block(pool, N, [a, kind](int64_t n) {
+  // Blocks of (head row, chunk of slots): each head's slots are split into P chunks when there
+  // are fewer heads than about four per thread (batch 1 with few KV heads), chunks of at least
+  // kMinChunk slots. Each block writes its own part; the parts are combined after.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t P = std::max<int64_t>(
+      1, std::min((4 * threads + N - 1) / N, C / kMinChunk));
+  const int64_t size = (C + P - 1) / P;
+  std::vector<float> parts(N * P * G * (D + 2));
+  float* pp = parts.data();
+  jaxllm::for_each_block(pool, N * P, [a, kind, P, size, pp](int64_t blk) {
+    const int64_t n = blk / P, c0 = (blk % P) * size, c1 = std::min(a.C, c0 + size);
+    float* part = pp + blk * a.G * (a.D + 2);
+    if (c0 >= c1) {  // an empty last chunk (C not a multiple of P): no weight in the sum
+      for (int64_t g = 0; g < a.G; ++g) part[g] = -std::numeric_limits<float>::infinity();
+      std::fill(part + a.G, part + a.G * (a.D + 2), 0.f);
+      return;
+    }
     switch (kind) {
-      case Kind::kF32: head_of<Kind::kF32>(a, n); break;
-      case Kind::kF16: head_of<Kind::kF16>(a, n); break;
-      case Kind::kBf16: head_of<Kind::kBf16>(a, n); break;
+      case Kind::kF32: chunk_any<Kind::kF32>(a, n, c0, c1, part); break;
+      case Kind::kF16: chunk_any<Kind::kF16>(a, n, c0, c1, part); break;
+      case Kind::kBf16: chunk_any<Kind::kBf16>(a, n, c0, c1, part); break;
     }
   });
+  combine(a, P, pp);
 #endif
   return ffi::Error::Success();
 }

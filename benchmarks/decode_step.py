@@ -62,7 +62,8 @@ def main():
         lines.append(f"| {B} | {pc.label} | {mib:.0f} | {ms:.2f} | "
                      f"{B * 1e3 / ms:.0f} | {mib / 1024 / (ms / 1e3):.1f} GB/s |")
     table = "\n".join(lines) + "\n\n" + bandwidth_line()
-    record(f"Decode step, {a.preset} (random weights), StreamingLLM cache", table, dry=a.no_record)
+    record(f"Decode step, {a.preset} (random weights), StreamingLLM cache, full ring", table,
+           dry=a.no_record)
 
 
 if __name__ == "__main__":

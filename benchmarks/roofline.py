@@ -250,8 +250,9 @@ def main():
         pre.append(f"| {LABELS[name]} | {T} | {ms:.0f} | {gemm:.0f} | {gemm / ms:.0%} | "
                    f"{flops / gemm / 1e6:.1f} |")
         print(pre[-1], flush=True)
-    table = (f"Decode step ({a.preset} shapes, random weights, StreamingLLM cache, median of "
-             f"{a.rounds} rounds of {a.steps} steps, the formats' rounds interleaved; speed: "
+    table = (f"Decode step ({a.preset} shapes, random weights, StreamingLLM cache with a full "
+             f"ring, median of {a.rounds} rounds of {a.steps} steps, the formats' rounds "
+             f"interleaved; speed: "
              f"float32's time over the format's; read ceiling: the bytes at the fastest rate "
              f"that a read of as many bytes or more reached in the run (each row's bytes read "
              f"best of 20); read now: the row's bytes at the rate of a 512 MiB read right after "

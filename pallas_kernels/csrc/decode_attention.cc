@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -260,17 +259,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer k, ffi::AnyBuffe
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t P = std::max<int64_t>(
       1, std::min((4 * threads + N - 1) / N, C / kMinChunk));
+  // No chunk is empty: (P - 1) * size >= C would need C < P * (P - 1), and C >= kMinChunk * P.
   const int64_t size = (C + P - 1) / P;
   std::vector<float> parts(N * P * G * (D + 2));
   float* pp = parts.data();
   jaxllm::for_each_block(pool, N * P, [a, kind, P, size, pp](int64_t blk) {
     const int64_t n = blk / P, c0 = (blk % P) * size, c1 = std::min(a.C, c0 + size);
     float* part = pp + blk * a.G * (a.D + 2);
-    if (c0 >= c1) {  // an empty last chunk (C not a multiple of P): no weight in the sum
-      for (int64_t g = 0; g < a.G; ++g) part[g] = -std::numeric_limits<float>::infinity();
-      std::fill(part + a.G, part + a.G * (a.D + 2), 0.f);
-      return;
-    }
     switch (kind) {
       case Kind::kF32: chunk_any<Kind::kF32>(a, n, c0, c1, part); break;
       case Kind::kF16: chunk_any<Kind::kF16>(a, n, c0, c1, part); break;

@@ -44,11 +44,22 @@ class GenerateResult(NamedTuple):
     cache: KVCache  # holds the prompt and every generated token: pass it to the next call
 
 
+def greedy(logits: Float[Array, "... v"]) -> Int[Array, "..."]:
+    """``jnp.argmax(logits, -1)`` as int32 (the first maximum, or the first NaN if there is one),
+    as a max and then the first index that holds it. XLA:CPU runs argmax's (value, index)
+    reduction as a scalar loop: 230 us over Pythia's 50,304 logits, 4% of a W8A8 decode step;
+    the two plain reductions vectorise (about 3x faster at batch 1 and 8)."""
+    V = logits.shape[-1]
+    top = jnp.max(logits, -1, keepdims=True)  # NaN if any logit is NaN
+    hit = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), -1)
+
+
 def sample_logits(logits: Float[Array, "b v"], key: jax.Array, sc: SamplingConfig
                   ) -> Int[Array, " b"]:
     """Greedy, or temperature sampling restricted to the top-k and the top-p nucleus."""
     if sc.temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy(logits)
     logits = logits.astype(jnp.float32) / sc.temperature
     if sc.top_k:
         kth = jax.lax.top_k(logits, min(sc.top_k, logits.shape[-1]))[0][:, -1:]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
+from .generate import greedy
 from .model import apply
 from .plots import figure, running_mean
 from .policy import METHODS, SCORED, CachePolicy, check_positions, with_sink
@@ -30,7 +31,7 @@ def _score(logits, targets):
     """NLL of each target and whether it is the argmax (greedy decoding would produce it)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
-    return nll, jnp.argmax(logits, axis=-1) == targets
+    return nll, greedy(logits) == targets
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "stepwise"), donate_argnames=("cache",))

@@ -4,9 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import LLAMA
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxllm
-from jaxllm.generate import sample_logits
+from jaxllm.generate import greedy, sample_logits
 
 PARAMS = jaxllm.init_params(LLAMA, jax.random.key(0))
 
@@ -94,6 +96,21 @@ def test_multi_round_chat_equals_one_stream():
     # One stream: [1,2,3] + reply1 + [4,5], then greedy.
     history = [1, 2, 3] + list(np.asarray(r1.tokens[0])) + [4, 5]
     assert list(np.asarray(r2.tokens[0])) == greedy_by_hand(history, 6, 2, 10)
+
+
+# Few distinct values, so ties are common; NaN and infinities included.
+LOGIT = st.sampled_from([-np.inf, -2.0, -0.0, 0.0, 1.5, 3.0, np.inf, np.nan])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3).flatmap(lambda b: st.integers(1, 9).flatmap(
+    lambda v: st.lists(st.lists(LOGIT, min_size=v, max_size=v), min_size=b, max_size=b))))
+def test_greedy_is_numpys_argmax(rows):
+    """numpy's argmax is the definition: the first maximum, or the first NaN."""
+    x = np.asarray(rows, np.float32)
+    got = np.asarray(jax.jit(greedy)(x))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
 def test_top_k_and_top_p_sample_only_from_the_allowed_set():

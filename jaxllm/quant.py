@@ -177,13 +177,16 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
     if k.q.dtype != jnp.int8:
         raise ValueError(f"a {k.q.dtype.name} weight is weight-only (act='none'); act={k.act!r} "
                          f"needs int8 weights (jaxllm.smoothquant.quantize)")
+    lead = x.shape[:-1]
+    if k.real and k.act == "token":  # the rows' quantization goes with the product (a CPU
+        # kernel does both in one call at few rows; the same numbers as the branch below)
+        y = pallas_kernels.w8a8_matmul_per_token(x.reshape(-1, x.shape[-1]), k.q, k.scale)
+        return y.reshape(*lead, k.q.shape[0]).astype(dtype)
     sx = act_scale_of(x, k)
     xq = quantize(x, sx)
     if k.real:  # eq. 2: the scales are applied to the int32 product (outer dims only)
         # pallas_kernels dispatches: the Pallas kernel on GPU/TPU, XLA's dot_general elsewhere.
-        lead = x.shape[:-1]
-        sx_rows = sx.reshape(-1) if k.act == "token" else sx  # [M] or []
-        y = pallas_kernels.w8a8_matmul(xq.reshape(-1, x.shape[-1]), k.q, sx_rows, k.scale)
+        y = pallas_kernels.w8a8_matmul(xq.reshape(-1, x.shape[-1]), k.q, sx, k.scale)
         return y.reshape(*lead, k.q.shape[0]).astype(dtype)
     # Fake quant: the same quantize-dequantize, multiplied in float32. The integer-valued product
     # is formed first (exact in float32 while |sum| < 2^24) and scaled after, as eq. 2 does, so

@@ -2,9 +2,9 @@
 
 ``w8a8_matmul``, ``quantize_per_token`` (optionally fused with LayerNorm/RMSNorm) and
 ``int8_bmm`` pick the Pallas kernel on GPU (Triton lowering) and TPU (Mosaic), ``cpu`` on CPUs
-and the pure-jnp reference (XLA) elsewhere. ``cpu`` is XLA's too, except ``w8a8_matmul``'s
-few-row products (decode) on a CPU with AVX-512 VNNI: those go to a hand-written FFI kernel
-(:mod:`pallas_kernels.cpu`; exact, the same int32 sums). Override with ``backend=`` (``xla`` |
+and the pure-jnp reference (XLA) elsewhere. ``cpu`` is XLA's too, except the few-row products
+(decode) of ``w8a8_matmul`` and ``w8a8_matmul_per_token`` on a CPU with AVX-512 VNNI: those go
+to a hand-written FFI kernel (:mod:`pallas_kernels.cpu`; exact, the same int32 sums). Override with ``backend=`` (``xla`` |
 ``cpu`` | ``triton`` | ``tpu``) or the environment variable ``JAXLLM_INT8_BACKEND``;
 ``interpret=True`` runs a Pallas backend on CPU.
 """
@@ -55,6 +55,25 @@ def w8a8_matmul(x, w, sx, sw, bias=None, out_dtype=jnp.float32, *,
                           interpret=interpret)
 
 
+def w8a8_matmul_per_token(x, w, sw, bias=None, out_dtype=jnp.float32, *,
+                          backend: Optional[str] = None, interpret: bool = False,
+                          blocks: Optional[Blocks] = None):
+    """``w8a8_matmul`` of float rows x [M, K] quantized per token first (SmoothQuant's O1): each
+    row to int8 with its own absmax scale (``reference.quantize_per_token``), then
+    y [M, N] = (q · wᵀ) · sx · sw (+ bias). On ``cpu`` at few rows one kernel call does both,
+    exactly (the same scales and int8 rows; :func:`cpu.int8_rows_token`); decode then runs no
+    separate XLA loops for the quantization."""
+    b = resolve_backend(backend)
+    x = jnp.asarray(x, jnp.float32)
+    if b == "cpu" and cpu.use_for(x.shape[0], x.shape[1]):
+        acc, sx = cpu.int8_rows_token(x, w)
+        sw = jnp.broadcast_to(jnp.asarray(sw, jnp.float32), (w.shape[0],))
+        return reference.epilogue(acc, sx, sw, bias, out_dtype)
+    q, sx = reference.quantize_per_token(x)
+    return w8a8_matmul(q, w, sx, sw, bias, out_dtype, backend=b, interpret=interpret,
+                       blocks=blocks)
+
+
 def quantize_per_token(x, gamma=None, beta=None, *, norm: Optional[str] = None,
                        eps: float = 1e-5, backend: Optional[str] = None,
                        interpret: bool = False):
@@ -76,4 +95,4 @@ def int8_bmm(a, b, sa, sb, out_dtype=jnp.float32, *, backend: Optional[str] = No
 
 
 __all__ = ["BACKENDS", "Blocks", "default_blocks", "int8_bmm", "quantize_per_token",
-           "reference", "resolve_backend", "w8a8_matmul"]
+           "reference", "resolve_backend", "w8a8_matmul", "w8a8_matmul_per_token"]

@@ -47,6 +47,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "int8_rows.cc", CSRC / "decode_attention.cc")
 HEADERS = (CSRC / "blocks.h",)
 TARGET = "jaxllm_int8_rows"
+TOKEN_TARGET = "jaxllm_int8_rows_token"
 ATTENTION_TARGET = "jaxllm_decode_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # Decode's rows (jaxllm.quant.MANY_ROWS). Pythia-160M's 49 int8 products chained, against XLA's
@@ -143,6 +144,8 @@ def _library() -> tuple[Optional[ctypes.CDLL], str]:
                       f"products (slower at a few rows): {e}", RuntimeWarning, stacklevel=3)
         return None, str(e)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxllmInt8Rows), platform="cpu")
+    jax.ffi.register_ffi_target(TOKEN_TARGET, jax.ffi.pycapsule(lib.JaxllmInt8RowsToken),
+                                platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxllmDecodeAttention),
                                 platform="cpu")
     return lib, ""
@@ -200,6 +203,26 @@ def int8_rows(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n"]
         raise ValueError(f"int8_rows needs K < {MAX_K}, got {x.shape[1]}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+
+
+def int8_rows_token(x: Float[Array, "m k"], w: Int8[Array, "n k"]
+                    ) -> tuple[Int[Array, "m n"], Float[Array, " m"]]:
+    """(acc, sx): each row of float32 ``x`` quantized to int8 with its own absmax scale sx[m]
+    (as ``reference.quantize_per_token``, to the bit), and acc = that int8 x @ wᵀ in int32
+    (exact), in one kernel call."""
+    if not available():
+        raise CPUKernelError(f"the int8 CPU kernel is not available: {_why_not_int8()}")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"int8_rows_token needs x [M, K] and w [N, K] with the same K; got "
+                         f"{x.shape} and {w.shape}")
+    if x.dtype != jnp.float32 or w.dtype != jnp.int8:
+        raise ValueError(f"int8_rows_token takes float32 x and int8 w, got {x.dtype} and "
+                         f"{w.dtype}")
+    if x.shape[1] >= MAX_K:
+        raise ValueError(f"int8_rows_token needs K < {MAX_K}, got {x.shape[1]}")
+    out = (jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32),
+           jax.ShapeDtypeStruct((x.shape[0],), jnp.float32))
+    return jax.ffi.ffi_call(TOKEN_TARGET, out, vmap_method="sequential")(x, w)
 
 
 def decode_attention(k: Array, v: Array, q: Float[Array, "n rg d"], pick: Int[Array, "b c"],

@@ -2,6 +2,7 @@
 XLA's own int8 dot: its sums are exact, so results must be equal, not close. The kernel needs a
 C++ compiler and AVX-512 VNNI; without them these tests skip (saying why) and the fallback is
 checked instead."""
+import functools
 import os
 import subprocess
 import sys
@@ -36,6 +37,41 @@ def test_int8_rows_are_numpys_exact_products(M, K, N):
     w[0, :] = -128
     got = np.asarray(jax.jit(cpu.int8_rows)(jnp.asarray(x), jnp.asarray(w)))
     np.testing.assert_array_equal(got, x.astype(np.int64) @ w.astype(np.int64).T)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 768, 300), (8, 100, 7), (13, 3072, 65)])
+def test_int8_rows_token_quantizes_as_the_reference_then_multiplies(M, K, N):
+    x = (RNG.standard_normal((M, K)) * 3).astype(np.float32)
+    x[0, :3] = [127.0, 2.5, -0.5]  # scale 1: ties round to even, as jnp.round does
+    if M > 1:
+        x[1] = 0.0  # an all-zero row: scale 1
+    if M > 2:
+        x[2, 5], x[3, 1] = np.inf, 1e-42  # an infinite scale; a denormal
+    w = RNG.integers(-128, 128, (N, K)).astype(np.int8)
+    acc, sx = jax.jit(cpu.int8_rows_token)(jnp.asarray(x), jnp.asarray(w))
+    # under jit, as the model runs it (XLA divides by the constant 127 as a product with 1/127)
+    q, want_sx = jax.jit(reference.quantize_per_token)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(sx), np.asarray(want_sx))
+    np.testing.assert_array_equal(np.asarray(acc),
+                                  np.asarray(q, np.int64) @ w.astype(np.int64).T)
+
+
+@needs_kernel
+def test_w8a8_matmul_per_token_takes_one_kernel_call_and_equals_xla():
+    M, K, N = 6, 192, 96
+    x = jnp.asarray(RNG.standard_normal((M, K)).astype(np.float32))
+    w = jnp.asarray(RNG.integers(-127, 128, (N, K)).astype(np.int8))
+    sw = jnp.asarray(RNG.random(N).astype(np.float32))
+    b = jnp.asarray(RNG.standard_normal(N).astype(np.float32))
+    f = functools.partial(pallas_kernels.w8a8_matmul_per_token, sw=sw, bias=b)
+    jaxpr = str(jax.make_jaxpr(f)(x, w))
+    assert cpu.TOKEN_TARGET in jaxpr and "round" not in jaxpr  # no quantization outside it
+    q, sx = jax.jit(reference.quantize_per_token)(x)
+    want = reference.w8a8_matmul(q, w, sx, sw, b)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, w)), np.asarray(want))
+    xla = jax.jit(functools.partial(f, backend="xla"))(x, w)
+    np.testing.assert_array_equal(np.asarray(xla), np.asarray(want))
 
 
 @needs_kernel

@@ -6,7 +6,8 @@ fixed-shape cache (StreamingLLM reads all slots each step, full or not). For eac
 (float32; float32 kept [out, in]; bfloat16 weights; bfloat16 weights and KV cache; float16
 weights and KV cache; W8: int8 weights only; W8A8 O1: int8 weights and per-token int8
 activations; all compute in float32 on CPU), each cache and batch, the table shows the step
-time, those bytes, the read ceiling and the fraction of it the step reaches. The read
+time (a token's share of ``jaxllm.generate``'s one-jit decode loop, the way users decode; the
+same step called from Python once per token is shown beside it), those bytes, the read ceiling and the fraction of it the step reaches. The read
 ceiling is those bytes at the fastest read rate measured in this process: each row's bytes are
 read by two kernels (a float32 sum and an Eigen matrix-vector product, best of 20 each), and a
 row's bar is the fastest rate that a read of as many bytes or more reached in the run, so a
@@ -42,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _record import (best_ms, full_ring, read_ceiling_ms, record, steady_heap,  # noqa: E402
-                     time_decode)
+                     time_decode, time_generate)
 from kv_products import step_passes_ms  # noqa: E402
 
 import jax  # noqa: E402
@@ -167,12 +168,13 @@ def main():
             ap.error(f"unknown format {f!r}; choose from {', '.join(FORMATS)}")
     cfg0 = jaxllm.PRESETS[a.preset]
     params0 = jaxllm.init_params(cfg0, jax.random.key(0))
-    dec = ["| format | cache | batch | ms/step | speed vs float32 | weights + KV read (MiB) | "
+    dec = ["| format | cache | batch | ms/token in generate | ms/step called alone | "
+           "speed vs float32 | weights + KV read (MiB) | "
            "read ceiling (ms) | of ceiling | read now (ms) | of read now | weight products alone "
            "(ms) | products: of weight ceiling | KV passes alone (ms) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    # (label, cache, batch, step ms, speed, weight bytes, KV bytes, read now ms, of read now,
-    #  products ms, KV ms)
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    # (label, cache, batch, ms a token in generate, ms a step called alone, speed, weight bytes,
+    #  KV bytes, read now ms, of read now, products ms, KV ms)
     rows = []
     probe = jnp.ones((NOW_BYTES // 4096, 1024), jnp.float32)
     probe_sum = jax.jit(jnp.sum)
@@ -193,14 +195,18 @@ def main():
                       for n, m in models.items()}
             kvb = {n: sum(x.nbytes for x in jax.tree.leaves((c.k, c.v)))
                    for n, c in caches.items()}
-            times = {n: [] for n in models}
+            times = {n: [] for n in models}  # ms a token in generate's loop
+            calls = {n: [] for n in models}  # ms a step called from Python
             nbytes = {n: weight_bytes(m[0], m[1]) + kvb[n] for n, m in models.items()}
             now = {n: [] for n in models}  # (read ms at this moment's rate, its share of the step)
             for r in range(a.rounds + 1):  # round 0 compiles and warms up
-                for n, (_, params, _) in models.items():
-                    ms, caches[n] = time_decode(steps[n], params, caches[n], a.steps, warmup=1)
+                for n, (cfg, params, _) in models.items():
+                    ms, caches[n] = time_generate(params, cfg, caches[n], a.steps)
+                    called, caches[n] = time_decode(steps[n], params, caches[n], a.steps,
+                                                    warmup=1)
                     if r:
                         times[n].append(ms)
+                        calls[n].append(called)
                         read = nbytes[n] / (probe.nbytes / best_ms(probe_sum, probe, n=3))
                         now[n].append((read, read / ms))
             del caches
@@ -219,10 +225,11 @@ def main():
                         B * cfg.num_kv_heads, 4 + W, kvk[0], R * G, G, cfg.head_dim)
                 vs = (f"{np.median(times['float32']) / ms:.2f}x" if "float32" in times
                       else "-")
-                rows.append((LABELS[n], pc.label, B, ms, vs, wb, kvb[n],
-                             float(np.median([t for t, _ in now[n]])),
+                rows.append((LABELS[n], pc.label, B, ms, float(np.median(calls[n])), vs, wb,
+                             kvb[n], float(np.median([t for t, _ in now[n]])),
                              float(np.median([f for _, f in now[n]])), prods[n, B], kv_ms[kvk]))
-                print(f"{LABELS[n]}, {pc.label}, batch {B}: {ms:.1f} ms a step, weight products "
+                print(f"{LABELS[n]}, {pc.label}, batch {B}: {ms:.1f} ms a token in generate "
+                      f"({np.median(calls[n]):.1f} a step called alone), weight products "
                       f"alone {prods[n, B]:.1f} ms", flush=True)
 
     def ceiling_ms(nbytes: int) -> float:
@@ -234,9 +241,10 @@ def main():
         # 28 GB/s, against 47 GB/s over 2.4 GB in run 10), which makes this the stricter bar.
         return nbytes / max(r for m, r in rates if m >= nbytes)
     del probe
-    for label, cache, B, ms, vs, wb, kv, now_ms, now_f, pm, km in rows:
+    for label, cache, B, ms, called, vs, wb, kv, now_ms, now_f, pm, km in rows:
         ceil, wceil = ceiling_ms(wb + kv), ceiling_ms(wb)
-        dec.append(f"| {label} | {cache} | {B} | {ms:.1f} | {vs} | {wb / 2**20:.0f} + "
+        dec.append(f"| {label} | {cache} | {B} | {ms:.1f} | {called:.1f} | {vs} | "
+                   f"{wb / 2**20:.0f} + "
                    f"{kv / 2**20:.0f} | {ceil:.1f} | {ceil / ms:.0%} | {now_ms:.1f} | "
                    f"{now_f:.0%} | {pm:.1f} | {wceil / pm:.0%} | {km:.1f} |")
     T = a.prefill
@@ -251,8 +259,11 @@ def main():
                    f"{flops / gemm / 1e6:.1f} |")
         print(pre[-1], flush=True)
     table = (f"Decode step ({a.preset} shapes, random weights, StreamingLLM cache with a full "
-             f"ring, median of {a.rounds} rounds of {a.steps} steps, the formats' rounds "
-             f"interleaved; speed: "
+             f"ring; ms/token in generate: {a.steps} tokens per row written by jaxllm.generate "
+             f"(one jit around the decode loop, the cache donated), median of {a.rounds} "
+             f"rounds, the formats' rounds interleaved; ms/step called alone: the same step "
+             f"called from Python once per token, as runs before 23 timed it; speed, of ceiling "
+             f"and of read now use generate's time; speed: "
              f"float32's time over the format's; read ceiling: the bytes at the fastest rate "
              f"that a read of as many bytes or more reached in the run (each row's bytes read "
              f"best of 20); read now: the row's bytes at the rate of a 512 MiB read right after "

@@ -119,15 +119,18 @@ def time_decode(step, params, cache, steps: int, warmup: int = 2):
 
 
 def time_generate(params, cfg, cache, steps: int):
-    """``(ms per token, cache)`` of ``jaxllm.generate`` writing ``steps`` tokens per row of
-    ``cache`` (greedy, from a one-token prompt; compiled first): the decode loop as users run
-    it, one jit around a ``while_loop`` with the cache donated. The prompt's token is one forward
-    of one token, like each loop step, so the call does ``steps`` steps in all.
+    """``(ms per decode step, cache)`` of ``jaxllm.generate`` writing ``steps`` tokens per row
+    of ``cache`` (greedy, from a one-token prompt; compiled first): the decode loop as users run
+    it, one jit around a ``while_loop`` with the cache donated. Such a call runs ``steps + 1``
+    one-token forwards: the prompt's, then one per loop iteration, the last of which only
+    writes the final sampled token to the cache (so the returned cache continues the
+    conversation; its logits go unused). The time is divided by those ``steps + 1``.
 
     A step called from Python once per token (``time_decode``) also pays that call: its ~270
-    argument arrays passed in, its outputs allocated, the executable started. Inside the loop
-    none of that recurs; on Pythia-160M at 4+252, batch 1, it was 1.5-3 ms of a 5-11 ms W8,
-    W8A8 or bfloat16 step (float32's 23 ms step was level)."""
+    argument arrays passed in, its outputs allocated, the executable started; inside the loop
+    none of that recurs. In a scratch run (Pythia-160M, 4+252, batch 1, steps 11-41 of a call)
+    a W8, W8A8 or bfloat16 + KV step took 1.3-4.4 ms less in the loop than called alone in 8 of
+    9 rounds (0.7 ms more in one); float32's 23 ms step was level."""
     import time
 
     import jax
@@ -141,7 +144,7 @@ def time_generate(params, cfg, cache, steps: int):
     t0 = time.perf_counter()
     cache = jaxllm.generate(params, cfg, prompt, cache, sc).cache
     jax.block_until_ready(cache)
-    return (time.perf_counter() - t0) / steps * 1e3, cache
+    return (time.perf_counter() - t0) / (steps + 1) * 1e3, cache
 
 
 def record(title: str, table: str, notes: str = "", dry: bool = False) -> None:

@@ -6,8 +6,8 @@ fixed-shape cache (StreamingLLM reads all slots each step, full or not). For eac
 (float32; float32 kept [out, in]; bfloat16 weights; bfloat16 weights and KV cache; float16
 weights and KV cache; W8: int8 weights only; W8A8 O1: int8 weights and per-token int8
 activations; all compute in float32 on CPU), each cache and batch, the table shows the step
-time (a token's share of ``jaxllm.generate``'s one-jit decode loop, the way users decode; the
-same step called from Python once per token is shown beside it), those bytes, the read ceiling and the fraction of it the step reaches. The read
+time (a step's share of a ``jaxllm.generate`` call, its one-jit decode loop, the way users
+decode; the same step called from Python once per token is shown beside it), those bytes, the read ceiling and the fraction of it the step reaches. The read
 ceiling is those bytes at the fastest read rate measured in this process: each row's bytes are
 read by two kernels (a float32 sum and an Eigen matrix-vector product, best of 20 each), and a
 row's bar is the fastest rate that a read of as many bytes or more reached in the run, so a
@@ -168,12 +168,12 @@ def main():
             ap.error(f"unknown format {f!r}; choose from {', '.join(FORMATS)}")
     cfg0 = jaxllm.PRESETS[a.preset]
     params0 = jaxllm.init_params(cfg0, jax.random.key(0))
-    dec = ["| format | cache | batch | ms/token in generate | ms/step called alone | "
+    dec = ["| format | cache | batch | ms/step in generate | ms/step called alone | "
            "speed vs float32 | weights + KV read (MiB) | "
            "read ceiling (ms) | of ceiling | read now (ms) | of read now | weight products alone "
            "(ms) | products: of weight ceiling | KV passes alone (ms) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    # (label, cache, batch, ms a token in generate, ms a step called alone, speed, weight bytes,
+    # (label, cache, batch, ms a step in generate, ms a step called alone, speed, weight bytes,
     #  KV bytes, read now ms, of read now, products ms, KV ms)
     rows = []
     probe = jnp.ones((NOW_BYTES // 4096, 1024), jnp.float32)
@@ -195,7 +195,7 @@ def main():
                       for n, m in models.items()}
             kvb = {n: sum(x.nbytes for x in jax.tree.leaves((c.k, c.v)))
                    for n, c in caches.items()}
-            times = {n: [] for n in models}  # ms a token in generate's loop
+            times = {n: [] for n in models}  # ms a step in generate's loop
             calls = {n: [] for n in models}  # ms a step called from Python
             nbytes = {n: weight_bytes(m[0], m[1]) + kvb[n] for n, m in models.items()}
             now = {n: [] for n in models}  # (read ms at this moment's rate, its share of the step)
@@ -228,7 +228,7 @@ def main():
                 rows.append((LABELS[n], pc.label, B, ms, float(np.median(calls[n])), vs, wb,
                              kvb[n], float(np.median([t for t, _ in now[n]])),
                              float(np.median([f for _, f in now[n]])), prods[n, B], kv_ms[kvk]))
-                print(f"{LABELS[n]}, {pc.label}, batch {B}: {ms:.1f} ms a token in generate "
+                print(f"{LABELS[n]}, {pc.label}, batch {B}: {ms:.1f} ms a step in generate "
                       f"({np.median(calls[n]):.1f} a step called alone), weight products "
                       f"alone {prods[n, B]:.1f} ms", flush=True)
 
@@ -259,8 +259,9 @@ def main():
                    f"{flops / gemm / 1e6:.1f} |")
         print(pre[-1], flush=True)
     table = (f"Decode step ({a.preset} shapes, random weights, StreamingLLM cache with a full "
-             f"ring; ms/token in generate: {a.steps} tokens per row written by jaxllm.generate "
-             f"(one jit around the decode loop, the cache donated), median of {a.rounds} "
+             f"ring; ms/step in generate: one call of jaxllm.generate writing {a.steps} tokens "
+             f"per row (one jit around the decode loop, the cache donated) over its "
+             f"{a.steps + 1} one-token forwards, median of {a.rounds} "
              f"rounds, the formats' rounds interleaved; ms/step called alone: the same step "
              f"called from Python once per token, as runs before 23 timed it; speed, of ceiling "
              f"and of read now use generate's time; speed: "

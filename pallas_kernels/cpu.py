@@ -190,17 +190,24 @@ def use_for(m: int, k: int) -> bool:
             and available())
 
 
-def int8_rows(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n"]:
-    """x @ wᵀ, int8 x int8 -> int32 exactly, by the kernel (``w`` K-major [N, K])."""
+def _check_rows(name: str, x: Array, w: Array, x_dtype) -> None:
+    """The int8 kernels' arguments: ``x`` [M, K] of ``x_dtype`` and int8 ``w`` [N, K], K below
+    MAX_K, and the kernel available here."""
     if not available():
         raise CPUKernelError(f"the int8 CPU kernel is not available: {_why_not_int8()}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"int8_rows needs x [M, K] and w [N, K] with the same K; got {x.shape} "
+        raise ValueError(f"{name} needs x [M, K] and w [N, K] with the same K; got {x.shape} "
                          f"and {w.shape}")
-    if x.dtype != jnp.int8 or w.dtype != jnp.int8:
-        raise ValueError(f"int8_rows takes int8 x and w, got {x.dtype} and {w.dtype}")
+    if x.dtype != x_dtype or w.dtype != jnp.int8:
+        raise ValueError(f"{name} takes {jnp.dtype(x_dtype).name} x and int8 w, got {x.dtype} "
+                         f"and {w.dtype}")
     if x.shape[1] >= MAX_K:
-        raise ValueError(f"int8_rows needs K < {MAX_K}, got {x.shape[1]}")
+        raise ValueError(f"{name} needs K < {MAX_K}, got {x.shape[1]}")
+
+
+def int8_rows(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n"]:
+    """x @ wᵀ, int8 x int8 -> int32 exactly, by the kernel (``w`` K-major [N, K])."""
+    _check_rows("int8_rows", x, w, jnp.int8)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
 
@@ -208,18 +215,9 @@ def int8_rows(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n"]
 def int8_rows_token(x: Float[Array, "m k"], w: Int8[Array, "n k"]
                     ) -> tuple[Int[Array, "m n"], Float[Array, " m"]]:
     """(acc, sx): each row of float32 ``x`` quantized to int8 with its own absmax scale sx[m]
-    (as ``reference.quantize_per_token``, to the bit), and acc = that int8 x @ wᵀ in int32
-    (exact), in one kernel call."""
-    if not available():
-        raise CPUKernelError(f"the int8 CPU kernel is not available: {_why_not_int8()}")
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"int8_rows_token needs x [M, K] and w [N, K] with the same K; got "
-                         f"{x.shape} and {w.shape}")
-    if x.dtype != jnp.float32 or w.dtype != jnp.int8:
-        raise ValueError(f"int8_rows_token takes float32 x and int8 w, got {x.dtype} and "
-                         f"{w.dtype}")
-    if x.shape[1] >= MAX_K:
-        raise ValueError(f"int8_rows_token needs K < {MAX_K}, got {x.shape[1]}")
+    (as ``reference.quantize_per_token`` does under jit, to the bit), and acc = that int8
+    x @ wᵀ in int32 (exact), in one kernel call."""
+    _check_rows("int8_rows_token", x, w, jnp.float32)
     out = (jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32),
            jax.ShapeDtypeStruct((x.shape[0],), jnp.float32))
     return jax.ffi.ffi_call(TOKEN_TARGET, out, vmap_method="sequential")(x, w)

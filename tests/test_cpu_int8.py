@@ -75,6 +75,20 @@ def test_w8a8_matmul_per_token_takes_one_kernel_call_and_equals_xla():
 
 
 @needs_kernel
+def test_int8_kernels_name_bad_arguments():
+    i8, f32 = jnp.ones((2, 8), jnp.int8), jnp.ones((2, 8), jnp.float32)
+    w = jnp.ones((3, 8), jnp.int8)
+    with pytest.raises(ValueError, match="int8_rows takes int8 x and int8 w, got float32"):
+        cpu.int8_rows(f32, w)
+    with pytest.raises(ValueError, match="int8_rows_token takes float32 x and int8 w, got int8"):
+        cpu.int8_rows_token(i8, w)
+    with pytest.raises(ValueError, match=r"needs x \[M, K\] and w \[N, K\] with the same K"):
+        cpu.int8_rows_token(f32[:, :7], w)
+    with pytest.raises(ValueError, match="needs K < 65536"):
+        cpu.int8_rows(jnp.ones((1, cpu.MAX_K), jnp.int8), jnp.ones((1, cpu.MAX_K), jnp.int8))
+
+
+@needs_kernel
 @pytest.mark.parametrize("per_channel,bias", [(True, True), (False, False)])
 def test_w8a8_matmul_takes_the_kernel_for_few_rows_and_equals_xla(per_channel, bias):
     M, K, N = 5, 192, 96

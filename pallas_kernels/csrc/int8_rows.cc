@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -122,22 +123,33 @@ float quantize_row(const float* x, int8_t* q, int64_t K) {
 }
 #endif  // JAXLLM_VNNI
 
-ffi::Error Int8Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
-                    ffi::ResultBuffer<ffi::S32> y) {
+// The handlers' arguments: x [M, K] and w [N, K] with K below 65,536 (where the int32 partial
+// sums stay exact), in a build with VNNI; else the error, naming ``target``.
+template <typename X>
+ffi::Error check_rows(const std::string& target, const X& x, const ffi::Buffer<ffi::S8>& w) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("jaxllm_int8_rows needs x [M, K] and w [N, K]");
-  const int64_t M = xd[0], K = xd[1], N = wd[0];
-  if (K >= 65536)
-    return ffi::Error::InvalidArgument("jaxllm_int8_rows: K must be below 65,536");
+    return ffi::Error::InvalidArgument(target + " needs x [M, K] and w [N, K]");
+  if (xd[1] >= 65536) return ffi::Error::InvalidArgument(target + ": K must be below 65,536");
 #ifndef JAXLLM_VNNI
-  (void)pool, (void)y, (void)M, (void)N;
-  return ffi::Error::InvalidArgument(
-      "jaxllm_int8_rows was built without AVX-512 VNNI; use XLA's int8 dot");
+  return ffi::Error::InvalidArgument(target + " was built without AVX-512 VNNI; use XLA's "
+                                     "int8 dot");
 #else
-  product(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N);
   return ffi::Error::Success();
 #endif
+}
+
+ffi::Error Int8Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                    ffi::ResultBuffer<ffi::S32> y) {
+  ffi::Error bad = check_rows("jaxllm_int8_rows", x, w);
+  if (bad.failure()) return bad;
+#ifdef JAXLLM_VNNI
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
+  product(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N);
+#else
+  (void)pool, (void)y;
+#endif
+  return ffi::Error::Success();
 }
 
 // W8A8 with per-token activation scales (SmoothQuant's O1) in one call: each row of float32 x
@@ -147,23 +159,18 @@ ffi::Error Int8Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ff
 // Pythia-160M's W8A8 decode (4+252, batch 1), whose tokens took 5.4-5.6 ms.
 ffi::Error Int8RowsToken(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                          ffi::ResultBuffer<ffi::S32> y, ffi::ResultBuffer<ffi::F32> sx) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("jaxllm_int8_rows_token needs x [M, K] and w [N, K]");
-  const int64_t M = xd[0], K = xd[1], N = wd[0];
-  if (K >= 65536)
-    return ffi::Error::InvalidArgument("jaxllm_int8_rows_token: K must be below 65,536");
-#ifndef JAXLLM_VNNI
-  (void)pool, (void)y, (void)sx, (void)M, (void)N;
-  return ffi::Error::InvalidArgument(
-      "jaxllm_int8_rows_token was built without AVX-512 VNNI; use XLA's int8 dot");
-#else
+  ffi::Error bad = check_rows("jaxllm_int8_rows_token", x, w);
+  if (bad.failure()) return bad;
+#ifdef JAXLLM_VNNI
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
   std::vector<int8_t> xq(M * K);
   for (int64_t m = 0; m < M; ++m)
     sx->typed_data()[m] = quantize_row(x.typed_data() + m * K, xq.data() + m * K, K);
   product(pool, xq.data(), w.typed_data(), y->typed_data(), M, K, N);
-  return ffi::Error::Success();
+#else
+  (void)pool, (void)y, (void)sx;
 #endif
+  return ffi::Error::Success();
 }
 
 }  // namespace

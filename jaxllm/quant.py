@@ -179,7 +179,7 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
                          f"needs int8 weights (jaxllm.smoothquant.quantize)")
     lead = x.shape[:-1]
     if k.real and k.act == "token":  # the rows' quantization goes with the product (a CPU
-        # kernel does both in one call at few rows; the same numbers as the branch below)
+        # kernel does both in one call at few rows; the numbers of the branch below under jit)
         y = pallas_kernels.w8a8_matmul_per_token(x.reshape(-1, x.shape[-1]), k.q, k.scale)
         return y.reshape(*lead, k.q.shape[0]).astype(dtype)
     sx = act_scale_of(x, k)

@@ -7,11 +7,12 @@ fixed-shape cache (StreamingLLM reads all slots each step, full or not). For eac
 weights and KV cache; W8: int8 weights only; W8A8 O1: int8 weights and per-token int8
 activations; all compute in float32 on CPU), each cache and batch, the table shows the step
 time (a step's share of a ``jaxllm.generate`` call, its one-jit decode loop, the way users
-decode; the same step called from Python once per token is shown beside it), those bytes, the read ceiling and the fraction of it the step reaches. The read
-ceiling is those bytes at the fastest read rate measured in this process: each row's bytes are
-read by two kernels (a float32 sum and an Eigen matrix-vector product, best of 20 each), and a
-row's bar is the fastest rate that a read of as many bytes or more reached in the run, so a
-busy moment of a shared machine during one row's reads does not lower that row's bar.
+decode; the same step called from Python once per token is shown beside it), those bytes, the
+read ceiling and the fraction of it the step reaches. The read ceiling is those bytes at the
+fastest read rate measured in this process: each row's bytes are read by two kernels (a float32
+sum and an Eigen matrix-vector product, best of 20 each), and a row's bar is the fastest rate
+that a read of as many bytes or more reached in the run, so a busy moment of a shared machine
+during one row's reads does not lower that row's bar.
 
 That bar is a best moment, and this shared machine's read rate moves between about 26 and
 47 GB/s from minute to minute. So each round also reads 512 MiB right after the format's steps

@@ -113,6 +113,20 @@ def test_greedy_is_numpys_argmax(rows):
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
+def test_greedy_is_numpys_argmax_over_a_vocabulary():
+    """A vocabulary's width, where XLA:CPU's vectorised max may skip a NaN: still the first NaN,
+    and the first of tied maxima."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 50304)).astype(np.float32)
+    x[0, [7, 30000]] = np.nan
+    x[1, [123, 40000, 50303]] = np.nan
+    x[2, [5, 44444]] = 9.0  # a tie
+    x[3, 50303] = np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy)(x)), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(jnp.argmax, static_argnums=1)(x, -1)),
+                                  np.argmax(x, axis=-1))  # what greedy replaced agrees too
+
+
 def test_top_k_and_top_p_sample_only_from_the_allowed_set():
     logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.3, 0.15, 0.1]]))
     keys = jax.random.split(jax.random.key(0), 400)

@@ -166,9 +166,9 @@ def _decode_probs(s, pick, mask, dist, cfg: ModelConfig, slopes=None):
 def use_attention_kernel(k: Array) -> bool:
     """Whether a decode step's attention over keys ``k`` [N, C, Dh] goes to the CPU kernel
     (pallas_kernels.cpu.decode_attention): on CPU where it is built and this CPU runs it, for
-    the cache dtypes it reads and head dims up to 256."""
-    return (jax.default_backend() == "cpu" and k.shape[-1] <= 256
-            and k.dtype in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.uint16)
+    the cache dtypes it reads and head dims up to its limit (pallas_kernels.cpu)."""
+    return (jax.default_backend() == "cpu" and k.shape[-1] <= pallas_kernels.cpu.MAX_HEAD_DIM
+            and k.dtype in pallas_kernels.cpu.ATTENTION_DTYPES
             and pallas_kernels.cpu.attention_available())
 
 

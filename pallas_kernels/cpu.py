@@ -49,6 +49,11 @@ HEADERS = (CSRC / "blocks.h",)
 TARGET = "jaxllm_int8_rows"
 TOKEN_TARGET = "jaxllm_int8_rows_token"
 ATTENTION_TARGET = "jaxllm_decode_attention"
+# What the attention kernel reads: these cache dtypes (uint16: bfloat16's bits), head dims up to
+# MAX_HEAD_DIM (a query head's weighted value sums then fit in 16 vector registers, so each value
+# row is read once; csrc/decode_attention.cc checks the same bound).
+ATTENTION_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.uint16)
+MAX_HEAD_DIM = 256
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # Decode's rows (jaxllm.quant.MANY_ROWS). Pythia-160M's 49 int8 products chained, against XLA's
 # (YNNPACK): 1.4x at 1 row, 1.7-2.2x at 2-8, 1.4x at 64 (docs/BENCHMARKS.md, "INT8 rows"); past
@@ -243,11 +248,11 @@ def decode_attention(k: Array, v: Array, q: Float[Array, "n rg d"], pick: Int[Ar
         raise ValueError(f"decode_attention needs k, v [N, C, D], q [N, R*G, D] and pick [B, C] "
                          f"with N a multiple of B; got k {k.shape} {k.dtype}, v {v.shape} "
                          f"{v.dtype}, q {q.shape}, pick {pick.shape}, groups {groups}")
-    if k.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.uint16):
+    if k.dtype not in ATTENTION_DTYPES:
         raise ValueError(f"decode_attention reads float32, float16 or bfloat16 caches (or "
                          f"bfloat16's uint16 bits), not {k.dtype}")
-    if D > 256:
-        raise ValueError(f"decode_attention handles head dims up to 256, got {D}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"decode_attention handles head dims up to {MAX_HEAD_DIM}, got {D}")
     alibi = dist is not None
     dist = jnp.zeros((B, C), jnp.int32) if dist is None else dist.astype(jnp.int32)
     slopes = (jnp.zeros((N, groups), jnp.float32) if slopes is None

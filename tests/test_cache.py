@@ -134,7 +134,7 @@ DECODE_CASES = {  # (cfg, sinks, window, evict)
 @pytest.fixture(params=["kernel", "jnp"])
 def attention_path(request, monkeypatch):
     """A decode step's attention by the CPU kernel (pallas_kernels/csrc/decode_attention.cc;
-    skipped where it is not available) or by the jnp path it replaces where it is not."""
+    skipped where it is not available) or by the jnp path (what runs where it is not)."""
     from jaxllm import model
     if request.param == "kernel" and not (jax.default_backend() == "cpu"
                                           and pallas_kernels.cpu.attention_available()):

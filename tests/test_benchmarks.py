@@ -1,5 +1,6 @@
 """The benchmarks time forms of one computation against each other: each form must compute it."""
 import os
+import re
 import sys
 
 import jax.numpy as jnp
@@ -47,3 +48,92 @@ def test_kv_products_forms_compute_the_same_pass():
             if got.shape != want.shape:  # the keys' form returns [N, Dh, rows]
                 got = got.transpose(0, 2, 1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{step}: {form}")
+
+
+def test_step_profile_classes_ops_of_a_compiled_module():
+    """step_profile's classes, checked on a module built to hold one of each: a large product
+    inside a while loop, a cache-like in-place write of one row, small elementwise ops and
+    (where the CPU kernel runs here) jaxllm's int8 kernel; then the breakdown of a hand-written
+    trace against sums done by hand."""
+    import jax
+
+    import pallas_kernels as pk
+    import step_profile as sp
+    from pallas_kernels import cpu
+
+    assert sp.type_bytes("(s32[1,50304]{1,0}, f32[1]{0})") == 4 * 50304 + 4
+    assert sp.type_bytes("bf16[2,3]{1,0}") == 12 and sp.type_bytes("pred[]") == 1
+    D = 512  # a [D, D] float32 weight: 1 MiB, over SMALL_BYTES; a [1, D] row: 2 KiB, under
+
+    def f(x, w, wq, buf, i):
+        def body(c):
+            j, y = c
+            return j + 1, jnp.tanh(y @ w)
+        y = jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+        if cpu.use_for(1, D):
+            y = pk.w8a8_matmul_per_token(y, wq, jnp.ones((D,)), None, jnp.float32)
+        buf = jax.lax.dynamic_update_slice(buf, y, (i, 0))  # one row into a 1 MiB buffer
+        return jnp.exp(y) + 1.0, buf
+
+    args = (jnp.ones((1, D)), jnp.ones((D, D)), jnp.ones((D, D), jnp.int8),
+            jnp.zeros((D, D)), jnp.int32(3))
+    text = jax.jit(f, donate_argnums=3).lower(*args).compile().as_text()
+    classes = sp.op_classes(text)
+    lines = {ln.split("=")[0].strip().removeprefix("ROOT ").lstrip("%").strip(): ln
+             for ln in text.splitlines() if " = " in ln}
+    dots = [n for n, ln in lines.items() if re.search(r"\sdot\(", ln) and n in classes]
+    writes = [n for n, ln in lines.items() if "update-slice" in n or "update_slice" in n]
+    assert dots and writes, text
+    # The product reads the 1 MiB weight; the loop is a container; the row write (in place)
+    # and the elementwise ops read a few KiB.
+    assert {classes[n] for n in dots} == {("other large ops", D * 4 + D * D * 4)}, \
+        [lines[n] for n in dots]
+    kinds = {c for c, _ in classes.values()}
+    assert "container" in kinds
+    assert ("int8 kernel" in kinds) == cpu.use_for(1, D), classes
+    exp = [n for n, ln in lines.items() if "exponential(" in ln]
+    assert exp and all(classes[n][0] == "small ops" for n in exp)
+    # a row, its index and scalars: the 1 MiB buffer it is written into is updated in place
+    assert all(classes[n][0] == "small ops" and classes[n][1] < 8 * D for n in writes), \
+        [(lines[n], classes[n]) for n in writes]
+    # A fusion that looks up one row of a bfloat16 table (widened first, as XLA fuses it: only
+    # the row's elements are converted) and adds a vector: the row is read, not the table.
+    body = sp.parse_hlo("""
+%fused (param_0: bf16[1000,64], param_1: s32[], param_2: f32[64]) -> f32[64] {
+  %param_0 = bf16[1000,64]{1,0} parameter(0)
+  %wide = f32[1000,64]{1,0} convert(%param_0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %row = f32[1,64]{1,0} dynamic-slice(%wide, %param_1, %zero), dynamic_slice_sizes={1,64}
+  %flat = f32[64]{0} bitcast(%row)
+  %param_2 = f32[64]{0} parameter(2)
+  ROOT %add = f32[64]{0} add(%flat, %param_2)
+}
+""")
+    assert [x.param for x in body["fused"] if x.opcode == "parameter"] == [0, 1, 2]
+    look = sp.Instr("f", "fusion", ("table", "i", "v"), 256, "fused", None)
+    size = {"table": 128000, "i": 4, "v": 256}
+    assert sp.read_bytes(look, size, body) == 256 + 4 + 256
+    write = sp.Instr("w", "dynamic-update-slice", ("table", "v", "i"), 128000, None, None)
+    assert sp.read_bytes(write, size, body) == 256 + 4  # the table is written in place
+    plain = sp.Instr("p", "add", ("table", "table"), 128000, None, None)
+    assert sp.read_bytes(plain, size, body) == 256000
+
+    loop = next(n for n, (c, _) in classes.items() if c == "container")
+    prod = dots[0]
+    small = exp[0]
+    ev = [{"ph": "X", "name": prod, "dur": 30.0, "args": {"hlo_module": "m", "hlo_op": prod}},
+          {"ph": "X", "name": prod, "dur": 10.0, "args": {"hlo_module": "m", "hlo_op": prod}},
+          {"ph": "X", "name": loop, "dur": 900.0, "args": {"hlo_module": "m", "hlo_op": loop}},
+          {"ph": "X", "name": small, "dur": 4.0, "args": {"hlo_module": "m", "hlo_op": small}},
+          {"ph": "X", "name": "end: " + prod, "dur": 7.0,
+           "args": {"hlo_module": "m", "hlo_op": prod}},
+          {"ph": "X", "name": small, "dur": 50.0, "args": {"hlo_module": "n", "hlo_op": small}},
+          {"ph": "i", "name": small, "args": {"hlo_module": "m", "hlo_op": small}}]
+    spans = sp.op_spans(ev, "m")
+    assert sorted(spans) == sorted([(prod, 30.0), (prod, 10.0), (loop, 900.0), (small, 4.0)])
+    parts = sp.breakdown(spans, classes, forwards=2)
+    # 40 us over 2 forwards, 2 ops, each reading the weight and a row
+    assert parts["other large ops"] == (0.02, 1.0, D * 4 + D * D * 4)
+    assert parts["small ops"] == (0.002, 0.5, classes[small][1] // 2)
+    assert parts["int8 kernel"] == (0.0, 0.0, 0)

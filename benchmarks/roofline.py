@@ -24,7 +24,9 @@ B rows, in the format's own form, chained in one jit, no attention) and the frac
 weights' read ceiling they reach: what XLA:CPU's product code does with exactly those bytes,
 which a step cannot beat; and the step's passes over the cache alone (each layer's keys' and
 values' writes and its scores-softmax-values pass, in jaxllm's forms for the cache's dtype:
-benchmarks/kv_products.py). The step's time is about the two plus norms, softmax and the rest.
+benchmarks/kv_products.py). The step's time is about the two plus norms, softmax and the rest;
+benchmarks/step_profile.py measures that rest (XLA's small ops) and the rate at which the
+step's own large ops read, from a profile of the same generate call.
 
 Prefill (a plain forward of --prefill tokens, batch 1) is bound by the matrix units: the GEMM
 ceiling is the time of the model's own linear layers as bare dot products of the same shapes and

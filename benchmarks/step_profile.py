@@ -275,14 +275,13 @@ def main():
              "jax.profiler.trace); each op's span summed and divided by the forwards. Classes: "
              "the jaxllm CPU kernels (" + cpu.status().replace("\n", "; ") + "); other "
              f"large ops: every other op reading {SMALL_BYTES >> 10} KiB or more (XLA's "
-             "products, its passes over the cache); small ops: the rest. XLA may run independent ops at once, so the "
-             "classes can sum to more than the traced forward; the share is of their sum. "
-             "ms/forward untraced: the same call without the profiler, fastest of 3 "
-             "(_record.time_generate). Large ops' read: the bytes the large ops read (their "
-             "operands; of a buffer written in place, nothing; of a table looked up, the rows) "
-             "over "
-             "their summed time; 512 MiB read: a float32 sum of 512 MiB right after the traced "
-             "call (best of 3), the roofline's read now.")
+             "products, its passes over the cache); small ops: the rest. XLA may run "
+             "independent ops at once, so the classes can sum to more than the traced forward; "
+             "the share is of their sum. ms/forward untraced: the same call without the "
+             "profiler, fastest of 3 (_record.time_generate). Large ops' read: the bytes the "
+             "large ops read (their operands; of a buffer written in place, nothing; of a table "
+             "looked up, the rows) over their summed time; 512 MiB read: a float32 sum of 512 "
+             "MiB right after the traced call (best of 3), the roofline's read now.")
     record(f"Decode step by op class ({a.preset})", table, notes, dry=a.no_record)
 
 

@@ -114,8 +114,10 @@ def read_bytes(instr: Instr, size: dict[str, int], comps: dict[str, list[Instr]]
         for pos, o in enumerate(x.operands):
             users[o].append((x, pos))
 
-    def ends(name: str):  # the uses of ``name``, looked through elementwise unary ops (a fused
-        for x, pos in users[name]:  # convert computes only the elements a slice takes)
+    # The uses of a value, looked through elementwise unary ops: a fused convert computes only
+    # the elements that a slice after it takes.
+    def ends(name: str):
+        for x, pos in users[name]:
             if x.opcode in PASS:
                 yield from ends(x.name)
             else:

@@ -31,9 +31,10 @@ import tempfile
 import time
 from typing import NamedTuple, Optional
 
-# The per-op trace events need this flag before XLA starts (it is read once per process).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_cpu_enable_xprof_traceme=true").strip()
+if __name__ == "__main__":  # the per-op trace events need this flag before XLA starts (read
+    # once per process); imported (by the tests), the process's environment is left alone
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_enable_xprof_traceme=true").strip()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _record import best_ms, full_ring, record, steady_heap, time_generate  # noqa: E402

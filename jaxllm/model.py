@@ -167,7 +167,7 @@ def use_attention_kernel(k: Array) -> bool:
     """Whether a decode step's attention over keys ``k`` [N, C, Dh] goes to the CPU kernel
     (pallas_kernels.cpu.decode_attention): on CPU where it is built and this CPU runs it, for
     the cache dtypes it reads and head dims up to its limit (pallas_kernels.cpu)."""
-    return (jax.default_backend() == "cpu" and k.shape[-1] <= pallas_kernels.cpu.MAX_HEAD_DIM
+    return (k.shape[-1] <= pallas_kernels.cpu.MAX_HEAD_DIM
             and k.dtype in pallas_kernels.cpu.ATTENTION_DTYPES
             and pallas_kernels.cpu.attention_available())
 
@@ -209,16 +209,33 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
     slopes = jnp.tile(jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max) if alibi
                                   else np.zeros(H), jnp.float32).reshape(KVH, G), (B, 1))
     mask = jnp.broadcast_to(plan.mask[:, 0], (B, C))
-    if use_attention_kernel(k):
+
+    def by_kernel(k, v, qm):
         # The CPU kernel (pallas_kernels/csrc/decode_attention.cc): each head's keys and values
         # read once, 2-byte ones widened in registers, each slot scored against the one
         # rotation it keeps. Pythia-160M's layer at 4,096 slots: 0.4 ms against 1.2 (float32)
         # and 3.5 (bfloat16); docs/BENCHMARKS.md, "KV cache passes".
         pick = jnp.where(mask, plan.pick if R > 1 else 0, -1)
-        out = pallas_kernels.cpu.decode_attention(
+        return pallas_kernels.cpu.decode_attention(
             k, v, qm, pick, G, dist=plan.dist if alibi else None,
             slopes=slopes if alibi else None, zero_sink=cfg.sink == "zero")
-        return out.reshape(B, 1, H, Dh)
+
+    def by_xla(k, v, qm):
+        return _decode_attend_xla(k, v, qm, plan, mask, slopes, R, cfg)
+
+    if use_attention_kernel(k):
+        out = pallas_kernels.cpu.on_cpu(by_kernel, by_xla, k, v, qm)
+    else:
+        out = by_xla(k, v, qm)
+    return out.reshape(B, 1, H, Dh)
+
+
+def _decode_attend_xla(k, v, qm, plan: "AttnPlan", mask, slopes, R: int, cfg: ModelConfig):
+    """``_decode_attend``'s pass by XLA: k, v [N, C, Dh] (N = B * KVH), the query rows qm
+    [N, R * G, Dh] -> [N, G, Dh]."""
+    N, C, _ = k.shape
+    KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    rows, alibi = R * G, cfg.pos_emb == "alibi"
     # Scores, softmax and values for a few heads at a time, in one pass: a 2-byte cache is
     # widened a group of heads at a time (quant.in_widened_groups), keys and values together,
     # and no [B * KVH, C] scores array lives between two loops. As two loops (scores, then
@@ -246,8 +263,7 @@ def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
         s = s[..., :rows].transpose(0, 2, 1).reshape(n, 1, R, G, C)
         probs = _decode_probs(s, pick, mask, dist if alibi else None, cfg, slopes)[:, 0]
         return jnp.einsum("nrs,nsh->nrh", probs, v)
-    out = in_widened_groups(attend, (k, v), qm, mask, pick, dist, slopes)
-    return out.reshape(B, 1, H, Dh)
+    return in_widened_groups(attend, (k, v), qm, mask, pick, dist, slopes)
 
 
 def _scores(q, k, cfg: ModelConfig, int8_att: Optional[QAttention] = None):

@@ -47,7 +47,7 @@ def w8a8_matmul(x, w, sx, sw, bias=None, out_dtype=jnp.float32, *,
         sx = jnp.broadcast_to(jnp.asarray(sx, jnp.float32), (M,))
         sw = jnp.broadcast_to(jnp.asarray(sw, jnp.float32), (N,))
         if b == "cpu" and cpu.use_for(M, x.shape[1]):
-            acc = cpu.int8_rows(x, w)
+            acc = cpu.on_cpu(cpu.int8_rows, reference.int8_matmul, x, w)
             return acc if jnp.dtype(out_dtype) == jnp.int32 else reference.epilogue(
                 acc, sx, sw, bias, out_dtype)
         return reference.w8a8_matmul(x, w, sx, sw, bias, out_dtype)
@@ -66,7 +66,10 @@ def w8a8_matmul_per_token(x, w, sw, bias=None, out_dtype=jnp.float32, *,
     b = resolve_backend(backend)
     x = jnp.asarray(x, jnp.float32)
     if b == "cpu" and cpu.use_for(x.shape[0], x.shape[1]):
-        acc, sx = cpu.int8_rows_token(x, w)
+        def by_xla(x, w):
+            q, sx = reference.quantize_per_token(x)
+            return reference.int8_matmul(q, w), sx
+        acc, sx = cpu.on_cpu(cpu.int8_rows_token, by_xla, x, w)
         sw = jnp.broadcast_to(jnp.asarray(sw, jnp.float32), (w.shape[0],))
         return reference.epilogue(acc, sx, sw, bias, out_dtype)
     q, sx = reference.quantize_per_token(x)

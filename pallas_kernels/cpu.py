@@ -135,9 +135,17 @@ def _jaxlib_version() -> str:
 @functools.cache
 def _library() -> tuple[Optional[ctypes.CDLL], str]:
     """(the loaded library, "") when the kernels can be used here, else (None, why not). Built
-    and registered with XLA once per process."""
+    and registered with XLA once per process.
+
+    The kernels are registered for XLA:CPU alone, so they serve only a process whose default
+    backend is the CPU: with a GPU or TPU present every use_* answer is False and no array is
+    routed to them (and where one asks anyway, :func:`on_cpu` compiles the XLA branch for any
+    other platform)."""
     if not enabled():
         return None, "turned off by JAXLLM_CPU_KERNELS=0"
+    if jax.default_backend() != "cpu":
+        return None, (f"JAX computes on {jax.default_backend()} here; the kernels serve XLA:CPU "
+                      f"only")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"no kernels for {platform.machine()} (AVX-512 is x86-64)"
     if not hasattr(jax, "ffi"):
@@ -191,8 +199,16 @@ def attention_available() -> bool:
 
 def use_for(m: int, k: int) -> bool:
     """Whether an int8 product of ``m`` rows of length ``k`` goes to the kernel (CPU backend)."""
-    return (jax.default_backend() == "cpu" and 0 < m <= FEW_ROWS and 0 < k < MAX_K
-            and available())
+    return 0 < m <= FEW_ROWS and 0 < k < MAX_K and available()
+
+
+def on_cpu(kernel, fallback, *args):
+    """``kernel(*args)`` in a program compiled for the CPU, ``fallback(*args)`` (the same
+    numbers by XLA) in one compiled for any other platform. The choice is made when the program
+    is lowered (``lax.platform_dependent``), not when it is traced: a function traced in a
+    CPU-default process but placed on a GPU (committed arrays, ``lowering_platforms``) never
+    reaches the CPU-only FFI targets."""
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=fallback)
 
 
 def _check_rows(name: str, x: Array, w: Array, x_dtype) -> None:

@@ -113,3 +113,25 @@ def test_decode_uses_the_kernel_where_available():
                          check=True).stdout.splitlines()
     assert out == ["int8 rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
                    "decode attention: XLA (turned off by JAXLLM_CPU_KERNELS=0)"]
+
+
+@needs_kernel
+def test_a_program_lowered_for_a_gpu_never_calls_the_cpu_kernels():
+    """The kernels are registered for XLA:CPU alone. A decode step traced in this CPU process
+    but lowered for CUDA (as a program placed on a GPU would be) holds neither kernel's call,
+    while the same step lowered for the CPU holds both (cpu.on_cpu: lax.platform_dependent)."""
+    from conftest import LLAMA
+
+    import jaxllm
+    from jaxllm import smoothquant as sq
+    params = jaxllm.init_params(LLAMA, jax.random.key(0))
+    ids = np.random.default_rng(1).integers(0, LLAMA.vocab_size, 600)
+    q = sq.quantize(params, LLAMA, ids, "o1", 0.8,
+                    calib=sq.CalibConfig(n_seqs=2, seq_len=16, heldout_seqs=1))
+    cache = jaxllm.init_cache(LLAMA, 1, sinks=2, window=6)
+    traced = jax.jit(lambda p, c: jaxllm.forward(p, LLAMA, jnp.ones((1, 1), jnp.int32), c)
+                     ).trace(q, cache)
+    on_cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    on_gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
+    for target in (cpu.ATTENTION_TARGET,) + ((cpu.TOKEN_TARGET,) if cpu.available() else ()):
+        assert target in on_cpu and target not in on_gpu, target

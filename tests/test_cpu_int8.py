@@ -65,8 +65,10 @@ def test_w8a8_matmul_per_token_takes_one_kernel_call_and_equals_xla():
     sw = jnp.asarray(RNG.random(N).astype(np.float32))
     b = jnp.asarray(RNG.standard_normal(N).astype(np.float32))
     f = functools.partial(pallas_kernels.w8a8_matmul_per_token, sw=sw, bias=b)
-    jaxpr = str(jax.make_jaxpr(f)(x, w))
-    assert cpu.TOKEN_TARGET in jaxpr and "round" not in jaxpr  # no quantization outside it
+    # The program lowered for the CPU (the jaxpr also holds the XLA branch that any other
+    # platform compiles, cpu.on_cpu): the kernel, and no quantization outside it.
+    hlo = jax.jit(f).lower(x, w).as_text()
+    assert cpu.TOKEN_TARGET in hlo and "round_nearest" not in hlo
     q, sx = jax.jit(reference.quantize_per_token)(x)
     want = reference.w8a8_matmul(q, w, sx, sw, b)
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, w)), np.asarray(want))

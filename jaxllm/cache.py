@@ -60,7 +60,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt16
 
 from .config import ModelConfig
 from .evict import Evict, empty_scores
-from .kvquant import KVQuant, empty_kivi, empty_store
+from .kvquant import KVQuant, empty_kivi, empty_store, round_to
 from .quant import to_bits
 
 
@@ -393,8 +393,14 @@ def reads_before_write(layer_kv) -> bool:
 
 def as_stored(layer_kv, chunk: Float[Array, "b n t h"]) -> Float[Array, "b n t h"]:
     """``chunk`` exactly as the cache will return it once written (its dtype; quantized and
-    dequantized), so a chunk attends to its own tokens as the token-by-token process would."""
-    return layer_kv.stored(chunk) if _is_store(layer_kv) else chunk.astype(layer_kv.dtype)
+    dequantized), so a chunk attends to its own tokens as the token-by-token process would.
+    A bfloat16 rounding goes through kvquant.round_to, which XLA:GPU keeps (it removes a bare
+    convert pair); float16 keeps astype, since round_to would flush the subnormals its write
+    keeps (so on a GPU a float16 chunk may attend to its own keys unrounded)."""
+    if _is_store(layer_kv):
+        return layer_kv.stored(chunk)
+    dt = layer_kv.dtype
+    return (round_to(chunk, dt) if dt == jnp.bfloat16 else chunk).astype(dt)
 
 
 def write_layer(layer_kv, chunk: Float[Array, "b n t h"], lay: ChunkLayout, scatter=None):

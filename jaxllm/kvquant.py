@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float
@@ -142,16 +143,33 @@ def unpack(words, bits: int, n: int):
     return c.reshape(*words.shape[:-1], n).astype(jnp.uint8)
 
 
+def round_to(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
+    """``x`` rounded to the 2-byte float ``dtype`` (float16, bfloat16), kept float32: a rounding
+    every compiler keeps. ``x.astype(dtype).astype(float32)`` is not one: XLA:GPU removes such a
+    convert pair inside a program (``--xla_allow_excess_precision``, on by default; openxla/xla
+    issue 41605), so on a GPU a chunk quantized with the unrounded scale attended to other
+    numbers than the cache then returned. ``lax.reduce_precision`` is kept; it flushes the
+    format's subnormals to zero (|x| < 6.1e-5 in float16; none occur in bfloat16's range of
+    interest), so store ``round_to(x, dtype).astype(dtype)`` and the stored and the computed
+    value are the same number."""
+    fi = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=fi.nexp,
+                                    mantissa_bits=fi.nmant)
+
+
 def quantize(x: Float[Array, "... d"], spec: KVQuant):
-    """``(codes [..., D] uint8/int8, scale [..., D/G], offset [..., D/G] or None)``."""
+    """``(codes [..., D] uint8/int8, scale [..., D/G], offset [..., D/G] or None)``. Codes are
+    computed from the scale and minimum as stored (rounded to ``spec.scale_dtype``, round_to),
+    so they are the best for what is kept, on every backend."""
     D = x.shape[-1]
     sd = jnp.dtype(spec.scale_dtype)
     xf = x.astype(jnp.float32)
     if spec.format == "int8":
         m = jnp.max(jnp.abs(xf), -1, keepdims=True)
-        scale = jnp.where(m > 0, m / 127.0, 1.0).astype(sd)
-        q = jnp.clip(jnp.round(xf / scale.astype(jnp.float32)), -127, 127).astype(jnp.int8)
-        return q, scale, None
+        scale = round_to(jnp.where(m > 0, m / 127.0, 1.0), sd)
+        scale = jnp.where(scale > 0, scale, 1.0)  # a max below float16's normals
+        q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
+        return q, scale.astype(sd), None
     G = spec.group_of(D)
     levels = float(2 ** spec.bits - 1)
     xg = xf.reshape(*x.shape[:-1], D // G, G)
@@ -161,9 +179,9 @@ def quantize(x: Float[Array, "... d"], spec: KVQuant):
         zero = jnp.clip(-jnp.round(mn / s32), 0, levels)
         q = jnp.clip(jnp.round(xg / s32[..., None]) + zero[..., None], 0, levels)
         return q.reshape(x.shape).astype(jnp.uint8), s32.astype(sd), zero.astype(sd)
-    # Codes from the stored (rounded) scale and minimum, so they are the best for what is kept.
-    scale, offset = ((mx - mn) / levels).astype(sd), mn.astype(sd)
-    s, o = scale.astype(jnp.float32)[..., None], offset.astype(jnp.float32)[..., None]
+    s, o = round_to((mx - mn) / levels, sd), round_to(mn, sd)
+    scale, offset = s.astype(sd), o.astype(sd)
+    s, o = s[..., None], o[..., None]
     q = jnp.where(s > 0, jnp.round(jnp.clip((xg - o) / jnp.where(s > 0, s, 1.0), 0, levels)), 0)
     return q.reshape(x.shape).astype(jnp.uint8), scale, offset
 

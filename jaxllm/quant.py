@@ -272,7 +272,11 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
     (docs/BENCHMARKS.md, "weight-only products"), and only many rows (prefill) convert the
     weight whole; the products are float32 there (a bfloat16 ``dtype`` rounds the input and the
     result: XLA:CPU computes bf16 dots in float32 too). Elsewhere XLA fuses the conversion into
-    the dot's operand.
+    the dot's operand, which is exact (an int8 code fits bfloat16's 8-bit significand).
+
+    Everywhere the product is summed in float32 and scaled in float32, and the result is
+    rounded to ``dtype`` once: a bfloat16 dot result scaled in bfloat16 was rounded three times
+    (the sum, the scale, the scaled product), up to 1% off on a GPU (tests/test_smoothquant.py).
     """
     lead, (n_out, n_in) = x.shape[:-1], q.shape
     cpu = jax.default_backend() == "cpu"
@@ -282,7 +286,7 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
     if not cpu or m >= MANY_ROWS:
         # Many rows amortise one float copy of the weight over a large GEMM, which runs faster
         # whole than in pieces.
-        y = jnp.einsum("mi,oi->mo", x2, q.astype(compute))
+        y = jnp.einsum("mi,oi->mo", x2, q.astype(compute), preferred_element_type=jnp.float32)
     else:
         # The input is materialised first, or XLA would fuse the LayerNorm producing it into the
         # product and recompute it for every output.
@@ -318,7 +322,7 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
             else:
                 y = jnp.concatenate([rows_product(x2[g:g + REDUCE_ROWS])
                                      for g in range(0, m, REDUCE_ROWS)])
-    return (y * scale.astype(compute)).astype(dtype).reshape(*lead, n_out)
+    return (y * scale.astype(jnp.float32)).astype(dtype).reshape(*lead, n_out)
 
 
 # ---- attention BMMs -----------------------------------------------------------------------------

@@ -67,13 +67,18 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests compile the Pallas kernels for real: they need JAX on a GPU."""
-    if jax.default_backend() == "gpu":
-        return
-    skip = pytest.mark.skip(reason="needs JAX on a GPU (compiled Pallas kernels)")
+    """``gpu`` tests compile the Pallas kernels for real: they need JAX on a GPU. ``cpu`` tests
+    check what only XLA:CPU does (its profiler's op names, the CPU kernels' dispatch, bit-level
+    equalities between differently compiled programs that hold because XLA:CPU sums in one
+    order): each says why where it is marked, and they skip on any other backend."""
+    backend = jax.default_backend()
+    skips = {"gpu": pytest.mark.skip(reason="needs JAX on a GPU (compiled Pallas kernels)"),
+             "cpu": pytest.mark.skip(reason=f"checks XLA:CPU's behaviour; JAX runs on {backend}")}
+    skips.pop("gpu" if backend == "gpu" else "cpu" if backend == "cpu" else None, None)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 def backend_compiles(fn) -> list:

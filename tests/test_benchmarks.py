@@ -5,6 +5,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import kv_products  # noqa: E402
@@ -12,6 +13,8 @@ import kv_products  # noqa: E402
 from jaxllm.quant import to_bits, widen_bits  # noqa: E402
 
 
+# kv_products times XLA:CPU's forms of a cache pass (bfloat16 bits, head groups, the CPU kernel)
+@pytest.mark.cpu
 def test_kv_products_forms_compute_the_same_pass():
     """Every write form leaves the layer a naive per-row write would; every keys, values and
     attend form gives the float64 result of the same (bfloat16-rounded, for bfloat16 forms)
@@ -50,6 +53,8 @@ def test_kv_products_forms_compute_the_same_pass():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{step}: {form}")
 
 
+# step_profile reads XLA:CPU's HLO names and its profiler's trace
+@pytest.mark.cpu
 def test_step_profile_classes_ops_of_a_compiled_module():
     """step_profile's classes, checked on a module built to hold one of each: a large product
     inside a while loop, a cache-like in-place write of one row, small elementwise ops and

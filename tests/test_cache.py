@@ -170,20 +170,25 @@ def test_decode_steps_equal_naive(case, attention_path):
 
 
 def test_decode_step_does_not_copy_the_cache():
-    """The compiled decode step updates the donated cache in place: its scratch memory is
-    smaller than the cache (reading the cache before writing it made XLA:CPU copy every layer's
-    K and V each step: 1.3-2x the cache in scratch for this model, 2x for pythia-14m at 4096)."""
+    """The compiled decode step updates the donated cache in place: doubling the cache grows
+    the step's scratch memory by less than half the cache's growth (reading the cache before
+    writing it made XLA:CPU copy every layer's K and V each step: 1.3-2x the cache in scratch
+    for this model, 2x for pythia-14m at 4096). Measured as growth, not against the cache's
+    size, since a backend's scratch has a fixed part: on a GPU, cuBLAS's 32 MiB workspace."""
     import functools
 
     from jaxllm.model import apply
     cfg, params = NEOX, PARAMS["neox"]
     step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
     for S in (0, 4):
-        cache = jaxllm.init_cache(cfg, 1, sinks=S, window=2048 - S)
-        mem = step.lower(params, tokens=jnp.zeros((1, 1), jnp.int32), cache=cache,
-                         lens=jnp.ones((1,), jnp.int32)).compile().memory_analysis()
-        cache_bytes = 2 * sum(k.nbytes for k in cache.k)
-        assert mem.temp_size_in_bytes < cache_bytes, (S, mem.temp_size_in_bytes, cache_bytes)
+        temp, size = [], []
+        for C in (2048, 4096):
+            cache = jaxllm.init_cache(cfg, 1, sinks=S, window=C - S)
+            mem = step.lower(params, tokens=jnp.zeros((1, 1), jnp.int32), cache=cache,
+                             lens=jnp.ones((1,), jnp.int32)).compile().memory_analysis()
+            temp.append(mem.temp_size_in_bytes)
+            size.append(2 * sum(k.nbytes for k in cache.k))
+        assert temp[1] - temp[0] < (size[1] - size[0]) / 2, (S, temp, size)
 
 
 def test_counters_near_2_31():

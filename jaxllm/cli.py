@@ -729,9 +729,10 @@ COMMANDS = (add_ppl, add_demo, add_generate, add_quantize, add_eval)
 
 
 def plugin_commands() -> list:
-    """``add_<name>(sub)`` builders other packages register (group ``jaxllm.commands``)."""
-    from importlib.metadata import entry_points
-    return [ep.load() for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name)]
+    """``add_<name>(sub)`` builders other packages register (group ``jaxllm.commands``; read
+    from the checkout's pyproject.toml where jaxllm is not installed, io.plugins)."""
+    from .io import plugins
+    return plugins(COMMAND_GROUP)
 
 
 def build_parser() -> argparse.ArgumentParser:

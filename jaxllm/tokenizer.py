@@ -56,11 +56,28 @@ class HFTokenizer:
 
     def __init__(self, path: str):
         from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True,
-                                                 trust_remote_code=False)
-        self.name = os.path.abspath(path)
-        self.vocab_size = len(self.tok)
-        self.eos_id = self.tok.eos_token_id
+        self._set(AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                trust_remote_code=False), os.path.abspath(path))
+
+    @classmethod
+    def of(cls, tok, name: str) -> "HFTokenizer":
+        """A transformers tokenizer built in memory (e.g. from a GGUF file's metadata)."""
+        self = cls.__new__(cls)
+        self._set(tok, name)
+        return self
+
+    def _set(self, tok, name: str) -> None:
+        self.tok, self.name = tok, name
+        self.vocab_size = len(tok)
+        self.eos_id = tok.eos_token_id
+
+    def chat(self, messages: list[dict]) -> str:
+        """``messages`` ([{"role", "content"}]) in the model's chat template, ready for the
+        assistant's turn (transformers renders the template in a sandboxed Jinja environment);
+        ValueError when the tokenizer has no template."""
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.name} has no chat template")
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)

@@ -333,6 +333,22 @@ def test_cli_convert_export_and_hf_model_everywhere(tmp_path, capsys):
                  "--max-new-tokens", "4", "--cache", "32"]) == 0
 
 
+def test_plugins_are_found_in_a_checkout_never_installed(monkeypatch, capsys):
+    """A source checkout on PYTHONPATH has no installed entry points (the GPU run of
+    2026-11-24 lost three tests to it): the convert commands and the Hugging Face reader are
+    then read from the checkout's pyproject.toml."""
+    import importlib.metadata
+
+    from jaxllm import io
+    from jaxllm.cli import main
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
+    assert [r.name for r in io.plugins(io.READER_GROUP)] == ["GGUF", "Hugging Face"]
+    for cmd in ("convert", "export-hf"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0 and f"usage: jaxllm {cmd}" in capsys.readouterr().out
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     from jaxllm.cli import main
     build_hf("opt-prenorm").save_pretrained(tmp_path / "opt")

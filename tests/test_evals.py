@@ -14,7 +14,8 @@ from jaxllm.evals import passkey, passkey_task, score_task, streameval_task
 from jaxllm.evals import attention as att
 from jaxllm.evals.common import Task, exact_matches
 from jaxllm.cli import main
-from jaxllm.ppl import PplConfig
+from jaxllm.ppl import PplConfig, stream_score
+from jaxllm.policy import CachePolicy
 
 TOK = jaxllm.ByteTokenizer()
 
@@ -169,7 +170,7 @@ def test_qa_stream_and_jsonl(tmp_path):
     assert main(["eval", "qa", "--data", str(good), "--model", "random:pythia-tiny", "--cache",
                  "64", "--out", str(tmp_path / "qa"), "--quiet"]) == 0
     assert json.loads((tmp_path / "qa.json").read_text())["records"] == 4
-    assert main(["eval", "qa", "--data", str(bad), "--out", str(tmp_path / "x"), "--quiet"]) == 2
+    assert main(["eval", "qa", "--data", str(bad), "--model", "random:pythia-tiny", "--out", str(tmp_path / "x"), "--quiet"]) == 2
 
 
 def test_outliers_report_follows_eq4(tmp_path):
@@ -199,19 +200,35 @@ def test_outliers_report_follows_eq4(tmp_path):
 def test_demo_command(tmp_path, capsys):
     out = str(tmp_path / "demo")
     assert main(["demo", "--model", "a=random:pythia-tiny", "--tokens", "300", "--cache", "32",
-                 "--sinks", "2", "--no-int8", "--out", out]) == 0
+                 "--sinks", "2", "--positions", "20", "--out", out]) == 0
     printed = capsys.readouterr().out
     r = json.load(open(os.path.join(out, "demo.json")))
     methods = [row["method"] for row in r["rows"]]
-    assert methods == ["dense", "window 0+32", "StreamingLLM 2+30", "recompute 2+30"]
+    assert methods == ["dense", "window 0+32", "StreamingLLM 2+30", "recompute 2+30, sampled"]
     # The plotted curves are in the JSON, and the printed lines say what the numbers are.
-    assert sorted(r["curves"]) == sorted(f"a: {m}" for m in methods)
+    assert sorted(r["curves"]) == sorted(f"a: {m}" for m in methods[:3])
     assert all(len(c) == 299 for c in r["curves"].values())
     np.testing.assert_allclose([np.exp(np.mean(r["curves"][f"a: {row['method']}"]))
-                                for row in r["rows"]], [row["ppl"] for row in r["rows"]],
+                                for row in r["rows"][:3]], [row["ppl"] for row in r["rows"][:3]],
                                rtol=1e-3)
+    # Recompute at 20 seeded positions in [32, 299), each scored by a fresh forward over its
+    # sinks and window (ppl.stream_score's recompute row, the independent oracle), and the
+    # StreamingLLM run's NLL at the same positions beside it.
+    s = r["sampled"]["a"]
+    pos = np.asarray(s["positions"])
+    assert len(pos) == 20 == len(set(pos)) and pos.min() >= 32 and pos.max() < 299
+    cfg, params, _ = jaxllm.load_model("random:pythia-tiny")
+    from jaxllm.corpus import builtin_corpus
+    from jaxllm.tokenizer import ByteTokenizer
+    ids = np.asarray(ByteTokenizer().encode(builtin_corpus())[:300], np.int32)
+    full = stream_score(params, cfg, ids, CachePolicy("recompute", 2, 32))[0]
+    np.testing.assert_allclose(s["recompute"], full[pos], atol=2e-4)
+    streaming = np.asarray(r["curves"]["a: StreamingLLM 2+30"])
+    np.testing.assert_allclose(s["streaming"], streaming[pos], atol=1e-4)
+    assert r["rows"][3]["positions"] == 20 and r["wall_s"] > 0
     assert "perplexity per byte" in printed and "peak RSS" not in printed
     assert f"{r['training_context']['a']}-byte training context" in printed
+    assert "at the 20 sampled positions StreamingLLM scores" in printed
     kv = {row["method"]: row["kv_mib"] for row in r["rows"]}
     assert kv["dense"] > 9 * kv["StreamingLLM 2+30"]  # 301 slots vs 32
     assert all(np.isfinite(row["ppl"]) and row["tokens_per_s"] > 0 for row in r["rows"])

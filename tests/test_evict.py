@@ -313,7 +313,7 @@ def test_cli_errors_are_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert msg in err and len(err.splitlines()) == 1, err
     with pytest.raises(SystemExit):
-        main(["ppl", "--method", "h2o", "--heavy", "1.5"])
+        main(["ppl", "--model", "embedded", "--method", "h2o", "--heavy", "1.5"])
     assert "fraction in (0, 1)" in capsys.readouterr().err
 
 

@@ -386,6 +386,7 @@ def test_kivi_memory_and_settings():
 ])
 def test_cli_kv_errors_are_one_line_naming_the_flag(args, msg, capsys):
     from jaxllm.cli import main
-    assert main(["ppl", "--max-tokens", "50", "--quiet", "--cache", "68"] + args) == 2
+    assert main(["ppl", "--model", "embedded", "--max-tokens", "50", "--quiet", "--cache", "68"]
+                + args) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1, err

@@ -118,14 +118,15 @@ def test_cli_kv_dtype(tmp_path):
 def test_cli_bad_input(tmp_path, capsys, content, args, msg):
     f = tmp_path / "t.txt"
     f.write_bytes(content)
-    assert main(["ppl", "--text", str(f), "--quiet", *args]) == 2
+    assert main(["ppl", "--model", "embedded", "--text", str(f), "--quiet", *args]) == 2
     assert msg in capsys.readouterr().err
 
 
 def test_cli_generate_rounds(capsys):
     """Each round prints its prompt and continuation as one text (no break between them), the
     continuation being what the API generates for the same rounds."""
-    assert main(["generate", "--prompt", "Hello", "--prompt", "again", "--max-new-tokens", "5",
+    assert main(["generate", "--model", "embedded", "--prompt", "Hello", "--prompt", "again",
+                 "--max-new-tokens", "5",
                  "--cache", "16", "--sinks", "2"]) == 0
     out = capsys.readouterr().out
     cfg, params, tok = jaxllm.load_model("embedded")
@@ -195,7 +196,8 @@ def test_cli_decode_weights(tmp_path, capsys):
     cfg, params, tok = jaxllm.load_model("embedded")
     ids = np.asarray(tok.encode(builtin_corpus())[:120])
     for dtype, rtol in (("bfloat16", 5e-6), ("float32", 1e-6)):  # bfloat16 vs float: 4e-5 off
-        assert main(["ppl", "--weights", dtype, "--max-tokens", "120", "--cache", "32",
+        assert main(["ppl", "--model", "embedded", "--weights", dtype, "--max-tokens", "120",
+                     "--cache", "32",
                      "--chunk", "16", "--quiet", "--json", str(tmp_path / "s.json")]) == 0
         got = json.loads((tmp_path / "s.json").read_text())["ppl"]
         nll = stream_nll(rounded_weights(params, dtype), cfg, ids,
@@ -203,7 +205,7 @@ def test_cli_decode_weights(tmp_path, capsys):
         np.testing.assert_allclose(got, float(np.exp(np.mean(nll))), rtol=rtol)
     capsys.readouterr()
     with pytest.raises(SystemExit):
-        main(["ppl", "--weights", "int8"])
+        main(["ppl", "--model", "embedded", "--weights", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
     q = quant.half_weights(params)
     jaxllm.save_model(str(tmp_path / "h"), cfg, q)

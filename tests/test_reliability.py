@@ -198,5 +198,6 @@ def test_cli_arguments_out_of_range(args, msg, capsys, tmp_path, monkeypatch):
 def test_latin1_qa_file_is_named(tmp_path, capsys):
     f = tmp_path / "qa.jsonl"
     f.write_bytes('{"question": "caf\xe9?", "answer": "A"}\n'.encode("latin-1"))
-    assert main(["eval", "qa", "--data", str(f), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert main(["eval", "qa", "--data", str(f), "--model", "random:pythia-tiny", "--out",
+                 str(tmp_path / "o"), "--quiet"]) == 2
     assert f"{f} is not UTF-8" in capsys.readouterr().err

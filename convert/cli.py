@@ -32,8 +32,6 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(a) -> None:
-    import shutil
-
     import jax
     import jax.numpy as jnp
 
@@ -42,26 +40,22 @@ def cmd_convert(a) -> None:
 
     src = a.hf or a.gguf
     check_out(a, [src])
-    tok_dir = None
     try:
         if a.gguf:
-            from .gguf import from_gguf, tokenizer_dir
+            from .gguf import from_gguf, gguf_tokenizer
             if not os.path.isfile(a.gguf):
                 raise FileNotFoundError(f"--gguf {a.gguf}: no such file")
             cfg, params = from_gguf(a.gguf, progress=not a.quiet, dtype=jnp.dtype(a.dtype))
-            tok_dir = tokenizer_dir(a.gguf)
+            tok = gguf_tokenizer(a.gguf)
         else:
             from .hf import from_hf
             cfg, params = from_hf(a.hf, allow_pickle=a.allow_pickle, progress=not a.quiet,
                                   dtype=jnp.dtype(a.dtype))
-            tok_dir = a.hf if has_tokenizer(a.hf) else None
-        save_model(a.out, cfg, params, tokenizer=tok_dir, format=a.format,
+            tok = a.hf if has_tokenizer(a.hf) else None
+        save_model(a.out, cfg, params, tokenizer=tok, format=a.format,
                    overwrite=a.overwrite, sources=[src])
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(str(e)) from None
-    finally:
-        if a.gguf and tok_dir:
-            shutil.rmtree(tok_dir, ignore_errors=True)
     n = sum(x.size for x in jax.tree.leaves(params))
     print(f"converted {cfg.family} ({n / 1e6:.1f}M parameters, {cfg.num_layers} layers) "
           f"-> {a.out} [{a.format}]")

@@ -22,7 +22,6 @@ Jinja environment.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Optional
 
 import numpy as np
@@ -247,18 +246,6 @@ def load(path: str):
     """The reader's load: ``(cfg, params, tokenizer)``."""
     cfg, params = from_gguf(path)
     return cfg, params, gguf_tokenizer(path)
-
-
-def save_tokenizer(path: str, out_dir: str) -> None:
-    """Write the file's tokenizer and chat template as a Hugging Face tokenizer directory."""
-    tokenizer_from_gguf(path).save_pretrained(out_dir)
-
-
-def tokenizer_dir(path: str) -> str:
-    """A temporary directory holding the file's tokenizer (the caller removes it)."""
-    d = tempfile.mkdtemp(prefix="jaxllm-gguf-tokenizer-")
-    save_tokenizer(path, d)
-    return d
 
 
 # What lets jaxllm.load_model read a GGUF file: registered under the "jaxllm.model_readers"

@@ -138,7 +138,8 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
     """Write a model directory atomically: an interrupted save never leaves a half-written
     model where a good one was.
 
-    ``tokenizer``: ``"byte"``, a directory with a Hugging Face tokenizer (copied in), or None
+    ``tokenizer``: ``"byte"``, a directory with a Hugging Face tokenizer (copied in), a loaded
+    tokenizer that can save itself (jaxllm.tokenizer.HFTokenizer: e.g. a GGUF file's), or None
     (the model ships without one: Python use only, the CLI refuses text commands).
     ``format``: ``"safetensors"`` or ``"orbax"`` (see the module docstring).
     ``overwrite``: replace a model jaxllm wrote at ``path`` earlier (anything else there is
@@ -146,11 +147,15 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
-    if tokenizer not in ("byte", None) and not os.path.isdir(tokenizer):
+    saves = hasattr(tokenizer, "save")
+    if not saves and tokenizer not in ("byte", None) and not os.path.isdir(tokenizer):
         raise ValueError(f"tokenizer must be 'byte' or a tokenizer directory, got {tokenizer!r}")
     with atomic_dir(path, overwrite, sources) as tmp:
         tok_entry = tokenizer
-        if tokenizer not in ("byte", None):
+        if saves:
+            tokenizer.save(os.path.join(tmp, TOKENIZER_DIR))
+            tok_entry = TOKENIZER_DIR
+        elif tokenizer not in ("byte", None):
             copy_tokenizer(tokenizer, os.path.join(tmp, TOKENIZER_DIR))
             tok_entry = TOKENIZER_DIR
         plain, quant = to_plain(params)

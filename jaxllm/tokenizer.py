@@ -71,6 +71,10 @@ class HFTokenizer:
         self.vocab_size = len(tok)
         self.eos_id = tok.eos_token_id
 
+    def save(self, directory: str) -> None:
+        """Write this tokenizer (and its chat template) as a Hugging Face tokenizer directory."""
+        self.tok.save_pretrained(directory)
+
     def chat(self, messages: list[dict]) -> str:
         """``messages`` ([{"role", "content"}]) in the model's chat template, ready for the
         assistant's turn (transformers renders the template in a sandboxed Jinja environment);

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from convert import gguf as jg  # noqa: E402
 
 V, D, F, L, H, KVH = 64, 256, 512, 2, 4, 2  # K-quant rows are multiples of 256
+TINY_TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
 TINY_TOKENS = ["<s>", "</s>"] + list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678") + ["ab"]
 
 
@@ -115,6 +116,7 @@ def _write(path, model, qtype, rng):
     w.add_token_merges(["a b"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
+    w.add_chat_template(TINY_TEMPLATE)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -170,6 +172,30 @@ def test_small_files_read_as_transformers_reads_them(tmp_path, i, qtype):
     for text in ("abZ8", "abc</s>ba"):
         assert tok.encode(text) == ref_tok.encode(text, add_special_tokens=False)
     assert tok.encode("abZ8") == [63, 2 + 51, 2 + 60]
+
+
+def test_convert_writes_a_model_directory_with_tokenizer_and_template(tmp_path, capsys):
+    """jaxllm convert --gguf: the directory gives the file's logits, ids and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jaxllm.cli import main
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+        num_attention_heads=H, num_key_value_heads=KVH, max_position_embeddings=128))
+    path = tmp_path / "tiny.gguf"
+    _write(path, model, QT.Q8_0, np.random.default_rng(0))
+    out = tmp_path / "converted"
+    assert main(["convert", "--gguf", str(path), "--out", str(out), "--quiet"]) == 0
+    assert main(["convert", "--gguf", str(path), "--out", str(path), "--quiet"]) == 2
+    assert "is the source" in capsys.readouterr().err
+    ids = jnp.asarray([[5, 9, 63, 2]])
+    (c1, p1, t1), (c2, p2, t2) = jaxllm.load_model(str(path)), jaxllm.load_model(str(out))
+    assert c1 == c2
+    np.testing.assert_array_equal(jaxllm.forward(p1, c1, ids)[0], jaxllm.forward(p2, c2, ids)[0])
+    assert t1.encode("abZ8</s>") == t2.encode("abZ8</s>")
+    msgs = [{"role": "user", "content": "ab"}]
+    assert t2.chat(msgs) == t1.chat(msgs) == "<s>ab</s>"
 
 
 def test_what_is_not_read_is_named_in_one_line(tmp_path):

@@ -492,7 +492,8 @@ def add_quantize(sub) -> None:
                         "dynamic, per-tensor static), w8 weight-only")
     p.add_argument("--alpha", default=None,
                    help="migration strength in [0, 1], or 'auto' (grid search on held-out "
-                        "calibration text); default: the family's value from the paper")
+                        "calibration text); default: the paper's value for the family where the "
+                        "paper measured it (models of 6.7B parameters and more), else auto")
     p.add_argument("--no-smooth", action="store_true", help="naive quantization, no smoothing")
     p.add_argument("--smooth-down", action="store_true",
                    help="SwiGLU: also smooth down_proj's input through up_proj")
@@ -509,7 +510,9 @@ def add_quantize(sub) -> None:
     p.add_argument("--fake", action="store_true",
                    help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
     p.add_argument("--calib-text", help="UTF-8 calibration text (default: the embedded corpus)")
-    p.add_argument("--n-seqs", type=int, default=512, help="calibration sequences")
+    p.add_argument("--n-seqs", type=int, default=64,
+                   help="calibration sequences (the paper: 512; 64 x 512 tokens is sized for "
+                        "a CPU)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--out", required=True, help="model directory to write")
     p.add_argument("--format", choices=["orbax", "safetensors"], default="safetensors",
@@ -523,11 +526,18 @@ def add_quantize(sub) -> None:
 def cmd_quantize(a) -> None:
     from .corpus import builtin_corpus
     from .io import save_model
-    from .smoothquant import CalibConfig, quantize
+    from .smoothquant import CalibConfig, paper_alpha, quantize
     from .tokenizer import ByteTokenizer
     check_out(a, sources(a.model))
     cfg, params, tok = load(a.model)
     alpha = a.alpha if a.alpha in (None, "auto") else _float(a.alpha, "--alpha")
+    if alpha is None and not a.no_smooth:
+        alpha = paper_alpha(cfg)
+        print(f"alpha: {alpha} (the paper's value for {cfg.family} at this size)"
+              if alpha is not None else
+              f"alpha: auto (the paper gives no value for a {cfg.family} model this small: its "
+              f"alphas come from 6.7B+ models with large outlier channels)", file=sys.stderr)
+        alpha = "auto" if alpha is None else alpha
     ids = tok.encode(read_text(a.calib_text) if a.calib_text else builtin_corpus())
     try:
         q, info = quantize(params, cfg, ids, a.scheme, alpha, smooth=not a.no_smooth,
@@ -538,7 +548,7 @@ def cmd_quantize(a) -> None:
                            quantize_head=not a.float_head,
                            calib=CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len),
                            progress=not a.quiet, return_info=True)
-        save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok.name,
+        save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok,
                    format=a.format, overwrite=a.overwrite, sources=sources(a.model))
     except ValueError as e:
         raise CliError(str(e)) from None

@@ -35,6 +35,20 @@ SCHEMES = {"o1": (False, "token"), "o2": (False, "tensor"), "o3": (False, "stati
 DEFAULT_ALPHA = {"opt": 0.5, "llama": 0.85, "mistral": 0.8, "falcon": 0.6, "gpt_neox": 0.5,
                  "mpt": 0.5}
 AUTO_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
+# The paper's alphas were found on models of 6.7B parameters and more (OPT-6.7B to 175B, Llama
+# 7B-65B, Falcon 7B-40B, Mistral-7B; SmoothQuant §5, Table 7), whose outlier channels reach
+# 100x the rest. A smaller model of the same family has no paper value: there the CLI searches.
+PAPER_MIN_PARAMS = 6e9
+
+
+def paper_alpha(cfg: ModelConfig) -> Optional[float]:
+    """The paper's migration strength for this model: its family's value for a model in the
+    paper's size range, else None (no paper value: search with alpha="auto")."""
+    import jax
+    from .model import init_params
+    shapes = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+    n = sum(x.size for x in jax.tree.leaves(shapes))
+    return DEFAULT_ALPHA.get(cfg.family) if n >= PAPER_MIN_PARAMS else None
 
 
 @dataclasses.dataclass(frozen=True)

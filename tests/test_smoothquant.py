@@ -2,6 +2,7 @@
 smoothing formula computed by hand, the float model (smoothing must not change it), and the
 sink cache's own recompute reference for INT8 + StreamingLLM."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -346,11 +347,20 @@ def test_errors():
         sq.quantize(jaxllm.init_params(post, jax.random.key(0)), post, IDS, "o1", calib=CC)
 
 
+def test_paper_alpha_only_where_the_paper_measured():
+    """The family's alpha for models in the paper's size range (6.7B+), none for a small one
+    (SmolLM2-135M: 0.85, the Llama value, made it worse than naive W8A8; docs/RESULTS.md)."""
+    assert sq.paper_alpha(jaxllm.PRESETS["llama2-7b"]) == 0.85
+    assert sq.paper_alpha(LLAMA) is None and sq.paper_alpha(jaxllm.PRESETS["pythia-160m"]) is None
+
+
 def test_cli_quantize_then_every_command_takes_the_result(tmp_path, capsys):
     from jaxllm.cli import main
     out = str(tmp_path / "q")
     assert main(["quantize", "--model", "random:pythia-tiny", "--scheme", "o3", "--n-seqs", "4",
                  "--seq-len", "64", "--out", out, "--quiet", "--json", out + ".json"]) == 0
+    assert "alpha: auto (the paper gives no value" in capsys.readouterr().err
+    assert json.loads(open(out + ".json").read())["losses"]  # the search ran
     assert main(["ppl", "--model", out, "--max-tokens", "600", "--cache", "64", "--quiet"]) == 0
     assert main(["generate", "--model", out, "--prompt", "def", "--max-new-tokens", "8",
                  "--cache", "32"]) == 0

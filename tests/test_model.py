@@ -89,5 +89,5 @@ def test_save_load_roundtrip(tmp_path, model):
     jaxllm.save_model(str(tmp_path / "bad"), bad, params)
     with pytest.raises(ValueError, match="has shape"):
         jaxllm.load_model(str(tmp_path / "bad"))
-    with pytest.raises(FileNotFoundError, match="not a directory"):
+    with pytest.raises(FileNotFoundError, match="no such file or directory; give smollm2"):
         jaxllm.load_model(str(tmp_path / "nope"))

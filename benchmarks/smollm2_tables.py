@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 import jaxllm
+from jaxllm.cache import kv_bytes
 from jaxllm.corpus import builtin_corpus
 from jaxllm.evict import Evict
 from jaxllm.kvquant import KVQuant
@@ -74,9 +75,7 @@ def kv(params, cfg, ids, a) -> list[str]:
             "|---|---:|---:|"]
     for name, q in formats:
         pc = CachePolicy("streaming", S, C, kv_quant=q)
-        cache = pc.make_cache(cfg, 1, C)
-        per_tok = sum(x.size * x.dtype.itemsize for x in
-                      __import__("jax").tree.leaves((cache.k, cache.v))) / C
+        per_tok = kv_bytes(pc.make_cache(cfg, 1, C)) / C
         rows.append(f"| {name} | {ppl(stream_score(params, cfg, ids, pc)[0]):.2f} | "
                     f"{per_tok:,.0f} |")
     return rows

@@ -1,5 +1,6 @@
-"""A streaming chat: question after question through one fixed-size cache (StreamingLLM's use
-case, §1 of the paper: a multi-round dialogue longer than the cache), each turn written in the
+"""A streaming chat: question after question through one fixed-size cache (the use case of
+"Efficient Streaming Language Models with Attention Sinks", Xiao et al. 2024, §1: a multi-round
+dialogue longer than the cache), each turn written in the
 model's chat template, the cache carried from round to round (jaxllm.generate returns it).
 
 Only the text each round adds is encoded and fed: the template rendered for the conversation so
@@ -28,11 +29,6 @@ class Round(NamedTuple):
     kv_bytes: int  # the cache's keys and values (fixed: a StreamingLLM cache does not grow)
 
 
-def kv_bytes(cache) -> int:
-    """Bytes of a cache's key and value arrays (quantized stores: codes, scales and sinks)."""
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((cache.k, cache.v)))
-
-
 def turn_text(tok, history: list[dict], question: str, ended: bool) -> str:
     """What to feed for ``question`` after ``history`` (alternating user/assistant messages,
     the answers as decoded): the template's new turn, closing the last answer first (its end
@@ -41,11 +37,11 @@ def turn_text(tok, history: list[dict], question: str, ended: bool) -> str:
     after = tok.chat(history + [user])
     if not history:
         return after
-    before = tok.tok.apply_chat_template(history, tokenize=False)
+    before = tok.chat(history, generation_prompt=False)
     if not after.startswith(before):
         raise ValueError("this chat template does not render a conversation as a prefix of its "
                          "continuation; jaxllm's streaming chat cannot feed it turn by turn")
-    eos = tok.tok.eos_token or ""
+    eos = tok.decode([tok.eos_id])
     closing = before[before.rfind(eos) + len(eos):] if eos and eos in before else ""
     return ("" if ended else eos) + closing + after[len(before):]
 
@@ -57,6 +53,7 @@ def chat(params, cfg, tok, questions: list[str], cache, sampling=None,
     tokenizer's end token. ``on_round(round)`` is called as each round finishes (to print it)."""
     import dataclasses
 
+    from .cache import kv_bytes
     from .generate import SamplingConfig, generate
     if tok.eos_id is None:
         raise ValueError("the tokenizer names no end-of-turn token; a chat needs one to stop "

@@ -466,7 +466,7 @@ def cmd_generate(a) -> None:
 
 def _chat_rounds(a, cfg, params, tok, cache, sc, key) -> None:
     from .chat import chat
-    if not getattr(getattr(tok, "tok", None), "chat_template", None):
+    if not getattr(tok, "has_chat_template", False):
         raise CliError(f"--chat: {a.model}'s tokenizer has no chat template (a base or "
                        f"byte-level model); leave out --chat to continue the prompts as text")
     if not all(q.strip() for q in a.prompt):

@@ -153,7 +153,7 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
             curves[f"{label}: INT8 StreamingLLM"] = nll
         r, sampled[label] = _recompute_row(params, cfg, ids, dc, label, streaming_nll)
         rows.append({"model": label, "method": f"{dc.recompute.label}, sampled", **r})
-        if getattr(tok, "chat", None) and getattr(tok.tok, "chat_template", None):
+        if getattr(tok, "has_chat_template", False):
             chats[label] = _chat(params, cfg, tok, dc, label, echo)
         else:
             gens[label] = _continue(params, cfg, tok, dc)

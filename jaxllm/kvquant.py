@@ -149,9 +149,8 @@ def round_to(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
     convert pair inside a program (``--xla_allow_excess_precision``, on by default; openxla/xla
     issue 41605), so on a GPU a chunk quantized with the unrounded scale attended to other
     numbers than the cache then returned. ``lax.reduce_precision`` is kept; it flushes the
-    format's subnormals to zero (|x| < 6.1e-5 in float16; none occur in bfloat16's range of
-    interest), so store ``round_to(x, dtype).astype(dtype)`` and the stored and the computed
-    value are the same number."""
+    format's subnormals to zero (|x| < 6.1e-5 in float16), so store ``round_to(x,
+    dtype).astype(dtype)`` and the stored and the computed value are the same number."""
     fi = jnp.finfo(dtype)
     return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=fi.nexp,
                                     mantissa_bits=fi.nmant)
@@ -160,14 +159,15 @@ def round_to(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
 def quantize(x: Float[Array, "... d"], spec: KVQuant):
     """``(codes [..., D] uint8/int8, scale [..., D/G], offset [..., D/G] or None)``. Codes are
     computed from the scale and minimum as stored (rounded to ``spec.scale_dtype``, round_to),
-    so they are the best for what is kept, on every backend."""
+    so they are the best for what is kept, on every backend. A scale is at least the scale
+    dtype's smallest normal (round_to would flush a smaller one to 0 and zero its row)."""
     D = x.shape[-1]
     sd = jnp.dtype(spec.scale_dtype)
+    tiny = float(jnp.finfo(sd).smallest_normal)
     xf = x.astype(jnp.float32)
     if spec.format == "int8":
         m = jnp.max(jnp.abs(xf), -1, keepdims=True)
-        scale = round_to(jnp.where(m > 0, m / 127.0, 1.0), sd)
-        scale = jnp.where(scale > 0, scale, 1.0)  # a max below float16's normals
+        scale = round_to(jnp.where(m > 0, jnp.maximum(m / 127.0, tiny), 1.0), sd)
         q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
         return q, scale.astype(sd), None
     G = spec.group_of(D)
@@ -179,7 +179,9 @@ def quantize(x: Float[Array, "... d"], spec: KVQuant):
         zero = jnp.clip(-jnp.round(mn / s32), 0, levels)
         q = jnp.clip(jnp.round(xg / s32[..., None]) + zero[..., None], 0, levels)
         return q.reshape(x.shape).astype(jnp.uint8), s32.astype(sd), zero.astype(sd)
-    s, o = round_to((mx - mn) / levels, sd), round_to(mn, sd)
+    span = mx - mn
+    s = round_to(jnp.where(span > 0, jnp.maximum(span / levels, tiny), 0.0), sd)
+    o = round_to(mn, sd)
     scale, offset = s.astype(sd), o.astype(sd)
     s, o = s[..., None], o[..., None]
     q = jnp.where(s > 0, jnp.round(jnp.clip((xg - o) / jnp.where(s > 0, s, 1.0), 0, levels)), 0)

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import tree
 from .config import ModelConfig
-from .model import apply
+from .model import apply, init_params
 from .quant import QMAX, QAttention, QKernel, quantize_rows, quantize_weight
 
 # scheme -> (weights per channel?, activation mode)
@@ -44,8 +44,6 @@ PAPER_MIN_PARAMS = 6e9
 def paper_alpha(cfg: ModelConfig) -> Optional[float]:
     """The paper's migration strength for this model: its family's value for a model in the
     paper's size range, else None (no paper value: search with alpha="auto")."""
-    import jax
-    from .model import init_params
     shapes = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
     n = sum(x.size for x in jax.tree.leaves(shapes))
     return DEFAULT_ALPHA.get(cfg.family) if n >= PAPER_MIN_PARAMS else None

@@ -75,13 +75,18 @@ class HFTokenizer:
         """Write this tokenizer (and its chat template) as a Hugging Face tokenizer directory."""
         self.tok.save_pretrained(directory)
 
-    def chat(self, messages: list[dict]) -> str:
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    def chat(self, messages: list[dict], generation_prompt: bool = True) -> str:
         """``messages`` ([{"role", "content"}]) in the model's chat template, ready for the
-        assistant's turn (transformers renders the template in a sandboxed Jinja environment);
-        ValueError when the tokenizer has no template."""
-        if not getattr(self.tok, "chat_template", None):
+        assistant's turn unless ``generation_prompt=False`` (transformers renders the template
+        in a sandboxed Jinja environment); ValueError when the tokenizer has no template."""
+        if not self.has_chat_template:
             raise ValueError(f"the tokenizer of {self.name} has no chat template")
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tok.apply_chat_template(messages, tokenize=False,
+                                            add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)

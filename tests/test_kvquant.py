@@ -101,6 +101,15 @@ def test_token_quantizer_matches_numpy(bits, G):
     assert np.abs(want - x).max() <= (x.max() - x.min()) / (2 ** bits - 1)  # within a step
 
 
+@pytest.mark.parametrize("spec", [kq.KVQuant("int8"), kq.KVQuant("token", bits=4, group=8)])
+def test_tiny_values_keep_a_float16_normal_step(spec):
+    """A row or group whose scale would fall below float16's normals (2^-14) keeps that
+    smallest normal as its step: stored to within half of it, never zeroed."""
+    x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32) * 1e-4
+    err = np.abs(roundtrip(x, spec) - x).max()
+    assert 0 < np.abs(x).max() and err <= 2.0 ** -15 + 1e-7, err
+
+
 def test_int8_and_clamped_match_numpy():
     x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
     np.testing.assert_allclose(roundtrip(x, kq.KVQuant("int8")), np_int8(x), atol=1e-6)

@@ -14,8 +14,7 @@ from jaxllm.evals import passkey, passkey_task, score_task, streameval_task
 from jaxllm.evals import attention as att
 from jaxllm.evals.common import Task, exact_matches
 from jaxllm.cli import main
-from jaxllm.ppl import PplConfig, stream_score
-from jaxllm.policy import CachePolicy
+from jaxllm.ppl import PplConfig
 
 TOK = jaxllm.ByteTokenizer()
 
@@ -211,9 +210,9 @@ def test_demo_command(tmp_path, capsys):
     np.testing.assert_allclose([np.exp(np.mean(r["curves"][f"a: {row['method']}"]))
                                 for row in r["rows"][:3]], [row["ppl"] for row in r["rows"][:3]],
                                rtol=1e-3)
-    # Recompute at 20 seeded positions in [32, 299), each scored by a fresh forward over its
-    # sinks and window (ppl.stream_score's recompute row, the independent oracle), and the
-    # StreamingLLM run's NLL at the same positions beside it.
+    # Recompute at 20 seeded positions in [32, 299): each the NLL of the next byte after a plain
+    # causal forward over the 2 sinks and the last 30 bytes (written here from the definition),
+    # and the StreamingLLM run's NLL at the same positions beside it.
     s = r["sampled"]["a"]
     pos = np.asarray(s["positions"])
     assert len(pos) == 20 == len(set(pos)) and pos.min() >= 32 and pos.max() < 299
@@ -221,8 +220,12 @@ def test_demo_command(tmp_path, capsys):
     from jaxllm.corpus import builtin_corpus
     from jaxllm.tokenizer import ByteTokenizer
     ids = np.asarray(ByteTokenizer().encode(builtin_corpus())[:300], np.int32)
-    full = stream_score(params, cfg, ids, CachePolicy("recompute", 2, 32))[0]
-    np.testing.assert_allclose(s["recompute"], full[pos], atol=2e-4)
+    want = []
+    for t in pos:
+        window = np.concatenate([ids[:2], ids[t - 29:t + 1]])[None]
+        logp = jax.nn.log_softmax(jaxllm.forward(params, cfg, jnp.asarray(window))[0][0, -1])
+        want.append(-float(logp[ids[t + 1]]))
+    np.testing.assert_allclose(s["recompute"], want, atol=2e-4)
     streaming = np.asarray(r["curves"]["a: StreamingLLM 2+30"])
     np.testing.assert_allclose(s["streaming"], streaming[pos], atol=1e-4)
     assert r["rows"][3]["positions"] == 20 and r["wall_s"] > 0

@@ -132,7 +132,7 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
         p = jax.nn.softmax(jnp.swapaxes(s, 1, 2), -1)
         return in_widened_groups(lambda v, p: dot(p, v, 2, 1), v, p)
 
-    def attend_one_pass(k, v, q):  # jaxllm's form without the kernel: model._decode_attend
+    def attend_one_pass(k, v, q):  # jaxllm's form without the kernel: attention.decode.attend_cache
         return in_widened_groups(attend, (k, v), q)
 
     # The CPU kernel (pallas_kernels/csrc/decode_attention.cc) computes the same pass: it scores
@@ -190,7 +190,7 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
     }
 
 
-# The forms jaxllm's decode step takes (cache.write_token, model._decode_attend), by cache dtype
+# The forms jaxllm's decode step takes (cache.write_token, attention.decode.attend_cache), by cache dtype
 # (a bfloat16 cache on CPU: cache.Bf16Bits); attention by the CPU kernel where it is available.
 _KERNEL = cpu.attention_available()
 JAXLLM_FORMS = {"float32": ("float32 scatter", "float32, CPU kernel (jaxllm)" if _KERNEL else

@@ -3,11 +3,15 @@
 
 Llama-2-7B layer shapes (2 of its 32 layers: temporaries are per layer, reused layer to layer),
 bfloat16 weights and a StreamingLLM 4+4092 bfloat16 cache, one chunk of T prompt tokens at
-batch B: the figure the attention issue must bring from tens of GiB (the [T, S+W+T] float32
-scores of each chunk) to a few. Compiled for this machine's backend (the scores dominate on every
-backend).
+batch B through ``jaxllm.model.apply`` (all T positions' logits: those are its output, not
+temporaries). With the scores materialised (``--attention materialised``: every chunk's
+[T, S+W+T] float32 scores) this was 11.4 GiB at 1 x 4,096 and 79 GiB at 8 x 4,096; blockwise
+(the default here, jaxllm.attention.flash) and in prefill blocks of at most 4,096 rows, it no
+longer grows with T. Compiled for this machine's backend: on a CPU the figure includes XLA:CPU's
+float32 copies of bfloat16 operands (it has no bfloat16 arithmetic), which a GPU does not make.
 
     python benchmarks/prefill_memory.py [--shapes 1x4096,8x2048,8x4096] [--layers 2]
+        [--attention blockwise|materialised]
 """
 from __future__ import annotations
 
@@ -46,8 +50,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=4092)
+    ap.add_argument("--attention", default="blockwise", choices=("blockwise", "materialised"))
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
+    os.environ["JAXLLM_ATTENTION"] = a.attention  # read when the prefill is traced
     cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=a.layers)
     rows = ["| batch x prompt tokens | temporaries (GiB) |", "|---|---:|"]
     for shape in a.shapes.split(","):
@@ -55,7 +61,8 @@ def main() -> None:
         gib = prefill_temp_bytes(cfg, B, T, a.sinks, a.window) / 2 ** 30
         rows.append(f"| {B} x {T} | {gib:.1f} |")
     record(f"Prefill temporaries at compile time (Llama-2-7B shapes, {a.layers} layers, "
-           f"bfloat16, StreamingLLM {a.sinks}+{a.window}, {jax.default_backend()})",
+           f"bfloat16, StreamingLLM {a.sinks}+{a.window}, {a.attention} attention, "
+           f"{jax.default_backend()})",
            "\n".join(rows), dry=a.no_record)
 
 

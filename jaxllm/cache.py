@@ -293,6 +293,16 @@ class ChunkLayout(NamedTuple):
     nonsink_rank: Int[Array, "b t"]
     first_nonsink: Int[Array, " b"]  # chunk index of the first non-sink token
     n_nonsink: Int[Array, " b"]
+    # Which keys exist, for masks computed per block (jaxllm.attention.flash): the same
+    # visibility as sink_mask and rest_mask, as key validity plus query - key distances.
+    sink_ok: Bool[Array, "b s"]  # sink slot j is (or becomes) written
+    ring_ok: Bool[Array, "b c"]  # a ring slot holds a token (sink slots: False)
+    chunk_ok: Bool[Array, "b t"]  # a chunk token that is not a sink nor padding
+
+    @property
+    def seen_length(self) -> Int[Array, " b"]:
+        """What the chunk's last query sees: the cache after the chunk."""
+        return self.new_length
 
 
 def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
@@ -353,7 +363,9 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
                        ring_count=jnp.minimum(ring_count, W)[:, 0],
                        nonsink_rank=jnp.where(nonsink, rank, -1),
                        first_nonsink=jnp.minimum(n_sink_in_chunk, T)[:, 0],
-                       n_nonsink=n_nonsink[:, 0])
+                       n_nonsink=n_nonsink[:, 0], sink_ok=sink_exists,
+                       ring_ok=jnp.concatenate([jnp.zeros((B, S), bool), d <= ring_count], 1),
+                       chunk_ok=nonsink)
 
 
 def merge_sinks(cache_k: Float[Array, "b n c h"], chunk_k: Float[Array, "b n t h"],
@@ -463,7 +475,7 @@ def write_token(layer_kv, x: Float[Array, "b n 1 h"], lay: ChunkLayout):
     with the update, which made it copy the layer four times per step (3.5 ms against 0.35 for
     one layer's keys at 4096 slots, benchmarks/roofline.py's model).
     """
-    if isinstance(layer_kv, Bf16Bits):  # in place; model._decode_attend widens what it reads
+    if isinstance(layer_kv, Bf16Bits):  # in place; attention.decode.attend_cache widens what it reads
         bits, read = write_token(layer_kv.bits, to_bits(x), lay)
         return layer_kv.replace(bits=bits), read
     if _is_store(layer_kv):

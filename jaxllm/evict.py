@@ -116,6 +116,11 @@ class Layout(NamedTuple):
     keep: int  # C = S + H + R
     spec: Evict
 
+    @property
+    def seen_length(self) -> Int[Array, " b"]:
+        """What the chunk's last query sees: the kept tokens and the chunk."""
+        return self.n + self.lens
+
 
 def layout(length: Int[Array, " b"], lens: Int[Array, " b"], T: int, sinks: int, keep: int,
            spec: Evict) -> Layout:

@@ -144,9 +144,9 @@ def _decode_step(params, cfg: ModelConfig, sc: SamplingConfig, s: DecodeState) -
 def _generate_jit(params, cfg: ModelConfig, sc: SamplingConfig, prompt, lens, cache, key):
     B, N = prompt.shape[0], sc.max_new_tokens
     eos = -1 if sc.eos_id is None else sc.eos_id
-    logits, cache = apply(params, cfg, prompt, cache, lens)
+    logits, cache = apply(params, cfg, prompt, cache, lens, last_only=True)  # [B, 1, V]
     key, sub = jax.random.split(key)
-    tok = sample_logits(logits[jnp.arange(B), lens - 1], sub, sc)
+    tok = sample_logits(logits[:, 0], sub, sc)
     out = jnp.full((B, N), max(eos, 0), jnp.int32).at[:, 0].set(tok)
     init = DecodeState(step=jnp.int32(1), token=tok, pending=jnp.ones((B,), bool),
                        done=tok == eos, count=jnp.ones((B,), jnp.int32), out=out, key=key,

@@ -1,29 +1,22 @@
 """The transformer: Flax modules that take the KV cache as an argument and return the new one."""
 from __future__ import annotations
 
-import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-import pallas_kernels.cpu
-from pallas_kernels.reference import computed_once
-
+from . import attention
 from . import cache as kvc
 from . import evict
 from .config import ModelConfig
 from .policy import check_positions
-from .quant import (QAttention, QKernel, absmax_scale, in_widened_groups, pv, qk_scores,
-                    qmatmul, widen)
-from .rope import Rotation, apply_rope, inv_freq
-from .rope import rotation as _rotation
-
-NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
+from .quant import QKernel, qmatmul
+from .rope import inv_freq
 
 
 def _dtype(cfg: ModelConfig):
@@ -104,302 +97,11 @@ class Norm(nn.Module):
         return y.astype(x.dtype)
 
 
-def _attend(scores_parts, value_parts, mask, cfg: ModelConfig,
-            int8_att: Optional[QAttention] = None):
-    """softmax over the concatenated key axis, then the weighted sum of values (GQA-aware).
-
-    scores_parts: [B, KVH, G, T, L_i] each; value_parts: [B, KVH, L_i, Dh]; mask [B, T, sum L_i].
-    Only the (small) scores are concatenated; keys and values stay where they are, so a decode
-    step never copies the cache. ``int8_att``: run the probs x values products in INT8.
-    """
-    scores = jnp.concatenate(scores_parts, axis=-1) if len(scores_parts) > 1 else scores_parts[0]
-    probs = _softmax(scores, mask[:, None, None], cfg)
-    p_scale = absmax_scale(probs, -1, True) if int8_att is not None else None  # one per query row
-    out, start = 0.0, 0
-    for v in value_parts:
-        p = probs[..., start:start + v.shape[2]]
-        # (XLA:CPU transposes the values here, a pass over V per step. Asking for the product's
-        # natural order [B, KVH, G, T, Dh] avoids that but makes it copy the donated cache
-        # instead, which costs as much.)
-        if int8_att is not None:
-            out = out + pv(p, v.astype(jnp.float32), p_scale, int8_att.real)
-        else:
-            out = out + jnp.einsum("bkgts,bksh->btkgh", p, v.astype(jnp.float32))
-        start += v.shape[2]
-    B, T = out.shape[:2]
-    return out.reshape(B, T, cfg.num_heads, cfg.head_dim), probs  # [B, T, H, Dh]
-
-
-def _softmax(scores, mask, cfg: ModelConfig):
-    """Attention probabilities over the last axis, masked keys excluded (``mask`` broadcasts)."""
-    scores = jnp.where(mask, scores, NEG_INF)
-    if cfg.sink == "zero":
-        # softmax-off-by-one: a virtual key with score q.0 = 0 and value 0 (REFERENCE §2).
-        return jax.nn.softmax(jnp.concatenate([jnp.zeros_like(scores[..., :1]), scores], -1),
-                              axis=-1)[..., 1:]
-    return jax.nn.softmax(scores, axis=-1)
-
-
-def _decode_probs(s, pick, mask, dist, cfg: ModelConfig, slopes=None):
-    """A decode step's attention probabilities from scores s [B, K, R, G, C] (R: the query's
-    rotations; ``pick`` [B, C] names the one each slot keeps), ``mask`` [B, C], ALiBi
-    distances ``dist`` [B, C] (None without ALiBi) with ``slopes`` [B, G] (default: the
-    model's, [K, G], K = the KV heads) -> [B, K, G, C]."""
-    s = s / math.sqrt(cfg.head_dim)
-    R = s.shape[2]
-    if R > 1:
-        p = pick[:, None, None, :]
-        s = jnp.where(p == 0, s[:, :, 0], jnp.where(p == 1, s[:, :, 1], s[:, :, 2]))
-    else:
-        s = s[:, :, 0]
-    if dist is not None:
-        if slopes is None:
-            G = cfg.num_heads // cfg.num_kv_heads
-            slopes = jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max),
-                                 jnp.float32).reshape(1, cfg.num_kv_heads, G)
-        else:
-            slopes = slopes[:, None]  # [B, 1, G]
-        s = s - slopes[..., None] * dist[:, None, None, :].astype(jnp.float32)
-    return _softmax(s, mask[:, None, None, :], cfg)
-
-
-def use_attention_kernel(k: Array) -> bool:
-    """Whether a decode step's attention over keys ``k`` [N, C, Dh] goes to the CPU kernel
-    (pallas_kernels.cpu.decode_attention): on CPU where it is built and this CPU runs it, for
-    the cache dtypes it reads and head dims up to its limit (pallas_kernels.cpu)."""
-    return (k.shape[-1] <= pallas_kernels.cpu.MAX_HEAD_DIM
-            and k.dtype in pallas_kernels.cpu.ATTENTION_DTYPES
-            and pallas_kernels.cpu.attention_available())
-
-
-def _decode_attend(q, k, v, plan: "AttnPlan", cfg: ModelConfig,
-                   int8_att: Optional[QAttention] = None):
-    """One query per row against the whole cache after the step's write (cache.token_view).
-
-    q [B, 1, H, Dh]; k, v [B * KVH, C, Dh] (cache.write_token's reads: float arrays, or the
-    uint16 bits of a bfloat16 cache on CPU, cache.Bf16Bits; 2-byte ones are widened a few
-    heads at a time, quant.in_widened_groups). The query is rotated at its three
-    positions (sinks, this lap, last lap), all three are scored against every slot in one
-    product, and each slot keeps the score ``plan.pick`` names: the keys are read once and,
-    when stored rotated, never rotated again.
-    """
-    B, _, H, Dh = q.shape
-    KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    C = k.shape[1]
-    rope = plan.q.cos is not None
-    R = 3 if rope else 1  # without RoPE the three positions give the same query
-    q = apply_rope(jnp.broadcast_to(q, (B, R, H, Dh)), plan.q.part(0, R))
-    if plan.keys.cos is not None or int8_att is not None:  # these read float keys (and values)
-        k, v = widen(k), widen(v)
-    if plan.keys.cos is not None:  # pre-RoPE keys (quantized stores, dynamic NTK)
-        k = apply_rope(k.reshape(B, KVH, C, Dh), plan.keys, head_major=True).reshape(k.shape)
-    q = q.reshape(B, R, KVH, G, Dh)
-    if int8_att is not None:
-        s = qk_scores(q.astype(jnp.float32), k.reshape(B, KVH, C, Dh).astype(jnp.float32),
-                      int8_att.real).transpose(0, 1, 3, 2, 4)  # [B, KVH, R, G, C]
-        probs = _decode_probs(s, plan.pick, plan.mask[:, 0],
-                              plan.dist if cfg.pos_emb == "alibi" else None, cfg)  # [B,KVH,G,C]
-        p = probs[:, :, :, None]  # [B, KVH, G, 1, C]
-        out = pv(p, v.reshape(B, KVH, C, Dh).astype(jnp.float32), absmax_scale(p, -1, True),
-                 int8_att.real)
-        return out.reshape(B, 1, H, Dh)
-    rows, N = R * G, B * KVH
-    qm = q.transpose(0, 2, 1, 3, 4).reshape(N, rows, Dh).astype(jnp.float32)  # row r * G + g
-    alibi = cfg.pos_emb == "alibi"
-    slopes = jnp.tile(jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max) if alibi
-                                  else np.zeros(H), jnp.float32).reshape(KVH, G), (B, 1))
-    mask = jnp.broadcast_to(plan.mask[:, 0], (B, C))
-
-    def by_kernel(k, v, qm):
-        # The CPU kernel (pallas_kernels/csrc/decode_attention.cc): each head's keys and values
-        # read once, 2-byte ones widened in registers, each slot scored against the one
-        # rotation it keeps. Pythia-160M's layer at 4,096 slots: 0.4 ms against 1.2 (float32)
-        # and 3.5 (bfloat16); docs/BENCHMARKS.md, "KV cache passes".
-        pick = jnp.where(mask, plan.pick if R > 1 else 0, -1)
-        return pallas_kernels.cpu.decode_attention(
-            k, v, qm, pick, G, dist=plan.dist if alibi else None,
-            slopes=slopes if alibi else None, zero_sink=cfg.sink == "zero")
-
-    def by_xla(k, v, qm):
-        return _decode_attend_xla(k, v, qm, plan, mask, slopes, R, cfg)
-
-    if use_attention_kernel(k):
-        out = pallas_kernels.cpu.on_cpu(by_kernel, by_xla, k, v, qm)
-    else:
-        out = by_xla(k, v, qm)
-    return out.reshape(B, 1, H, Dh)
-
-
-def _decode_attend_xla(k, v, qm, plan: "AttnPlan", mask, slopes, R: int, cfg: ModelConfig):
-    """``_decode_attend``'s pass by XLA: k, v [N, C, Dh] (N = B * KVH), the query rows qm
-    [N, R * G, Dh] -> [N, G, Dh]."""
-    N, C, _ = k.shape
-    KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    rows, alibi = R * G, cfg.pos_emb == "alibi"
-    # Scores, softmax and values for a few heads at a time, in one pass: a 2-byte cache is
-    # widened a group of heads at a time (quant.in_widened_groups), keys and values together,
-    # and no [B * KVH, C] scores array lives between two loops. As two loops (scores, then
-    # values) each layer's scores were a loop's output, which XLA:CPU gave its own memory:
-    # 77 MiB of temporaries a step at 4+4092, batch 8, mapped fresh each step (21,500 page
-    # faults); in one pass, 5 MiB.
-    #
-    # The keys are the left operand and the query rows are padded to a multiple of 4: XLA:CPU
-    # hands a product of several query rows to YNNPACK, which took 2.7 ms per layer for 3 rows
-    # at 4096 slots and 1.2 in this form (Pythia-160M, 4+4092, batch 1: 64 ms a step against
-    # 45-50, and 42 for one row alone, which would be wrong).
-    qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
-
-    def by_head(a):  # [B, ...] -> [B * KVH, ...], row b * KVH + h
-        return jnp.broadcast_to(a[:, None], (a.shape[0], KVH) + a.shape[1:]).reshape(
-            N, *a.shape[1:])
-    mask = by_head(mask)
-    pick = by_head(plan.pick) if R > 1 else mask  # (unused without RoPE)
-    dist = by_head(plan.dist) if alibi else mask  # (unused without ALiBi)
-
-    def attend(k, v, qm, mask, pick, dist, slopes):  # the rows of some heads -> [n, G, Dh]
-        n = k.shape[0]
-        s = jax.lax.dot_general(k, qm, (((2,), (2,)), ((0,), (0,))),
-                                preferred_element_type=jnp.float32)  # [n, C, rows + pad]
-        s = s[..., :rows].transpose(0, 2, 1).reshape(n, 1, R, G, C)
-        probs = _decode_probs(s, pick, mask, dist if alibi else None, cfg, slopes)[:, 0]
-        return jnp.einsum("nrs,nsh->nrh", probs, v)
-    return in_widened_groups(attend, (k, v), qm, mask, pick, dist, slopes)
-
-
-def _scores(q, k, cfg: ModelConfig, int8_att: Optional[QAttention] = None):
-    """q [B, T, H, Dh], k [B, KVH, L, Dh] (head-major) -> [B, KVH, G, T, L] float32, scaled."""
-    B, T = q.shape[:2]
-    G = cfg.num_heads // cfg.num_kv_heads
-    q = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim).astype(jnp.float32)
-    if int8_att is not None:
-        return qk_scores(q, k.astype(jnp.float32), int8_att.real) / math.sqrt(cfg.head_dim)
-    return jnp.einsum("btkgh,bksh->bkgts", q, k.astype(jnp.float32)) / math.sqrt(cfg.head_dim)
-
-
-def alibi_slopes(num_heads: int, bias_max: float) -> np.ndarray:
-    """ALiBi slope per head (Press et al. 2022, as MPT builds them): 2^(-bias_max * i / H') for
-    i = 1..H', H' the next power of two; for other head counts the odd then even entries."""
-    n2 = 2 ** math.ceil(math.log2(num_heads))
-    slopes = 1.0 / 2.0 ** (np.arange(1, n2 + 1) * (bias_max / n2))
-    if n2 != num_heads:
-        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
-    return slopes.astype(np.float32)
-
-
-def _part_scores(q, q_rot: Rotation, k, k_rot: Rotation, cfg: ModelConfig,
-                 int8_att=None):
-    """Scores of queries [B, T, H, Dh] against head-major keys [B, KVH, L, Dh], both at
-    in-cache positions: RoPE rotates both; ALiBi subtracts slope * (q_pos - k_pos), the
-    contiguous in-cache distance (REFERENCE §1); learned absolute positions were added to the
-    input."""
-    q, k = apply_rope(q, q_rot), apply_rope(k, k_rot, head_major=True)
-    s = _scores(q, k, cfg, int8_att)  # [B, KVH, G, T, L]
-    if cfg.pos_emb == "alibi":
-        G = cfg.num_heads // cfg.num_kv_heads
-        slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(cfg.num_kv_heads, G)
-        if k_rot.pos.ndim == 3:  # per-head key positions [B, KVH, L] (score-based eviction)
-            dist = q_rot.pos[:, None, None, :, None] - k_rot.pos[:, :, None, None, :]
-        else:
-            dist = (q_rot.pos[:, :, None] - k_rot.pos[:, None, :])[:, None, None]  # [B, T, L]
-        s = s - slopes[None, :, :, None, None] * dist.astype(jnp.float32)
-    return s
-
-
-def _within_window(q_pos, k_pos, cfg: ModelConfig):
-    """Mistral's sliding window: a query sees keys less than ``sliding_window`` positions back."""
-    if not cfg.sliding_window:
-        return True
-    return q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window  # [B, T, L]
-
-
-class AttnPlan(NamedTuple):
-    """Where every query and key of a forward sits: in-cache positions with their RoPE tables,
-    and the mask over [sink keys | other keys]. Computed once per forward, shared by all layers.
-
-    ``keys``: the non-sink keys in the order they are scored: 0..T-1 without a cache; the cache
-    slots then the chunk (T > 1). A decode step (T == 1, ``pick`` set) scores every slot, sinks
-    included, after its token is written: ``q`` then holds the query's three positions, ``keys``
-    the slots' positions (a table only for keys stored before RoPE), ``mask`` is [B, 1, S+W].
-    """
-
-    q: Rotation  # queries, for the non-sink keys [B, T]
-    keys: Rotation  # [B, L]
-    mask: Bool[Array, "b t l"]  # [B or 1, T, S + L]
-    q_sink: Optional[Rotation] = None  # queries at min(t, S+W-1), for the sink keys
-    k_sink: Optional[Rotation] = None  # sink keys at 0..S-1
-    rotate: Optional[Callable] = None  # positions -> Rotation, for per-head key positions
-    store: Optional[Rotation] = None  # the chunk's keys at their slots' positions (keys_rotated)
-    # decode (cache.token_view): q holds the query's three positions, keys the slots'
-    pick: Optional[Int[Array, "b c"]] = None
-    dist: Optional[Int[Array, "b c"]] = None
-
-
-def attn_plan(cfg: ModelConfig, lay: Optional[kvc.ChunkLayout], B: int, T: int, sinks: int,
-              freq, write_first: bool = True, positions=None,
-              keys_rotated: bool = False) -> AttnPlan:
-    """The plan of a plain causal forward (``lay`` None; at ``positions`` [B, T], default
-    0..T-1) or of a chunk of ``T`` tokens through a cache with ``sinks`` sink slots; ``freq``
-    [B, r/2] the RoPE inverse frequencies; ``keys_rotated``: the cache stores its keys rotated
-    at their slots' positions (jaxllm.cache's note)."""
-    fr = freq if cfg.pos_emb == "rope" else None
-    m = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
-    rotation = functools.partial(_rotation, scale=m)
-    if isinstance(lay, evict.Layout):  # score-based: keys at their rank, per head (evict.py)
-        # Each layer and KV head places its keys differently: their cos/sin rows are gathered
-        # from one table of positions 0..C+T-1 per forward (a row gather; cos and sin of every
-        # slot in every layer cost more than the rest of the decode step on CPU).
-        P = lay.keep + 1 + T
-        table = rotation(jnp.broadcast_to(jnp.arange(P), (B, P)), fr)
-        if table.cos is not None:
-            table = Rotation(table.pos, computed_once(table.cos), computed_once(table.sin))
-
-        def rotate(pos):  # [B, KVH, L] -> Rotation with [B, KVH, L, r/2] tables
-            if table.cos is None:
-                return Rotation(pos)
-            rows = jax.vmap(lambda t, i: t[i])  # per batch row: [P, r/2][KVH, L]
-            return Rotation(pos, rows(table.cos, pos), rows(table.sin, pos))
-        rot = rotation(lay.pos, fr)
-        return AttnPlan(rot, rot, lay.chunk_mask & _within_window(lay.pos, lay.pos, cfg),
-                        rotate=rotate)
-    if lay is None:  # plain causal forward (causal in token order)
-        pos = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
-        rot = rotation(pos, fr)
-        mask = jnp.tril(jnp.ones((T, T), bool))[None] & _within_window(pos, pos, cfg)
-        return AttnPlan(rot, rot, mask)
-    store = rotation(lay.store_pos, fr) if keys_rotated else None
-    C = lay.ring_k_pos.shape[1]
-    if T == 1 and write_first:  # decode: the token is written, then the cache alone is read
-        view = kvc.token_view(lay, sinks)
-        mask = view.mask
-        if cfg.sliding_window:  # Mistral's window, over the non-sink slots
-            mask = mask & ((jnp.arange(C) < sinks) | (view.dist < cfg.sliding_window))[:, None]
-        k_pos = jnp.broadcast_to(view.k_pos, (B, C))
-        keys = Rotation(k_pos) if keys_rotated else rotation(k_pos, fr)
-        return AttnPlan(rotation(view.q_pos, fr), keys, mask, store=store, pick=view.pick,
-                        dist=view.dist)
-    k_pos = jnp.concatenate([lay.ring_k_pos, lay.chunk_k_pos], axis=1)
-    mask = lay.rest_mask & _within_window(lay.rest_q_pos, k_pos, cfg)
-    if keys_rotated:  # turn keys stored at their slots' positions to their chunk-relative
-        # ones: a rotation by the difference, unscaled (YaRN's scale is in the stored keys)
-        keys = _rotation(k_pos - jnp.concatenate(
-            [jnp.broadcast_to(kvc.slot_positions(sinks, C - sinks), (B, C)), lay.store_pos], 1),
-            fr)
-    else:
-        keys = rotation(k_pos, fr)
-    plan = AttnPlan(rotation(lay.rest_q_pos, fr), keys, mask, store=store)
-    if not sinks:
-        return plan
-    sink_pos = jnp.broadcast_to(jnp.arange(sinks), (B, sinks))
-    k_sink = Rotation(sink_pos) if keys_rotated else rotation(sink_pos, fr)  # stored at j
-    return plan._replace(q_sink=rotation(lay.sink_q_pos, fr), k_sink=k_sink,
-                         mask=jnp.concatenate([lay.sink_mask, mask], axis=-1))
-
-
 class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, lay: Optional[kvc.ChunkLayout], plan: AttnPlan):
+    def __call__(self, x, layer_cache, plan: attention.Plan):
         cfg = self.cfg
         B, T, _ = x.shape
         dt = _dtype(cfg)
@@ -415,105 +117,16 @@ class Attention(nn.Module):
         # each head's keys as one contiguous [L, Dh] matrix instead of transposing the cache.
         q = proj(cfg.num_heads, "q")
         k, v = (proj(cfg.num_kv_heads, n).transpose(0, 2, 1, 3) for n in ("k", "v"))
-        int8_att = self.get_variable("params", "int8_attention")  # QAttention: INT8 QKᵀ and PV (SmoothQuant)
+        # QAttention: INT8 QKᵀ and PV (SmoothQuant), or None
+        int8_att = self.get_variable("params", "int8_attention")
 
-        if isinstance(lay, evict.Layout):
-            ctx, new_cache = _scored_attention(q, k, v, layer_cache, lay, plan, cfg, int8_att)
-        elif lay is None:  # plain causal forward
-            ctx, probs = _attend([_part_scores(q, plan.q, k, plan.keys, cfg, int8_att)], [v],
-                                 plan.mask, cfg, int8_att)
-            # Attention maps for analysis (jaxllm.evals.attention), kept only when the
-            # "attention" collection is mutable (calibration's "intermediates" never pays for it).
+        keep = self.is_mutable_collection("attention")
+        ctx, new_cache, probs = plan.attend(q, k, v, layer_cache, cfg, int8_att, keep)
+        if probs is not None:  # attention maps for analysis (jaxllm.evals.attention)
             self.sow("attention", "probs", probs.reshape(B, cfg.num_heads, T, T),
                      reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
-            new_cache = None
-        else:
-            ck, cv = layer_cache  # float arrays, or quantized stores (jaxllm.kvquant)
-            if plan.store is not None:  # the cache keeps keys rotated at their slots' positions
-                k = apply_rope(k, plan.store, head_major=True)
-            if plan.pick is not None:  # decode: write the token, then read the cache alone
-                # (no copy, see cache.token_view); a longer chunk (and KIVI, which attends
-                # before it quantizes) must read the old cache first, since later tokens
-                # overwrite ring slots that earlier tokens still attend to.
-                (nk, rk), (nv, rv) = kvc.write_token(ck, k, lay), kvc.write_token(cv, v, lay)
-                ctx, new_cache = _decode_attend(q, rk, rv, plan, cfg, int8_att), (nk, nv)
-            else:
-                S = 0 if plan.k_sink is None else plan.k_sink.pos.shape[1]
-                new_cache = kvc.write_layer(ck, k, lay), kvc.write_layer(cv, v, lay)
-                # What is attended to is exactly what is cached (its dtype, its quantization),
-                # so a chunk and the token-by-token process see identical keys and values.
-                k_ring, v_ring = kvc.as_stored(ck, k), kvc.as_stored(cv, v)
-                ck, cv = kvc.read_layer(ck, lay), kvc.read_layer(cv, lay)
-                k, v = k.astype(ck.dtype), v.astype(cv.dtype)  # sinks: full precision
-                C = ck.shape[2]
-                scores = [_part_scores(q, plan.q, ck, plan.keys.part(0, C), cfg, int8_att),
-                          _part_scores(q, plan.q, k_ring, plan.keys.part(C, C + T), cfg,
-                                       int8_att)]
-                values = [cv, v_ring]
-                if S:
-                    sink_k = kvc.merge_sinks(ck, k, lay, S)  # [B, KVH, S, Dh]
-                    scores.insert(0, _part_scores(q, plan.q_sink, sink_k, plan.k_sink, cfg,
-                                                  int8_att))
-                    values.insert(0, kvc.merge_sinks(cv, v, lay, S))
-                ctx, _ = _attend(scores, values, plan.mask, cfg, int8_att)
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)
         return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
-
-
-def _scored_attention(q, k, v, layer_cache, lay: evict.Layout, plan: AttnPlan,
-                      cfg: ModelConfig, int8_att):
-    """Attention through an H2O / Q-Hitter cache (jaxllm.evict): each KV head's kept keys sit
-    at their own ranks; the attention paid to every key is added to its score, then the cache
-    evicts (one token per decode step, or compresses after a chunk)."""
-    ck, cv, sc = layer_cache
-    B, T = q.shape[:2]
-    spec, S = lay.spec, lay.sinks
-    if spec.uses_error:  # Q-Hitter: what storing each key and value loses
-        err = jnp.stack([evict.token_error(x, functools.partial(kvc.as_stored, store))
-                         for x, store in ((k, ck), (v, cv))], -1)
-    else:
-        err = jnp.zeros(k.shape[:3] + (2,))
-    err = jnp.where((lay.pos < S)[:, None, :, None], 0.0, err)  # sinks stay in full precision
-
-    def cache_scores(keys, sc):
-        s = _part_scores(q, plan.q, keys, plan.rotate(sc.rank), cfg, int8_att)
-        ok = sc.rank >= 0  # [B, KVH, C1]
-        if cfg.sliding_window:
-            ok = ok & (lay.pos[:, None, :, None] - sc.rank[:, :, None, :] < cfg.sliding_window)
-            ok = ok[:, :, None]  # [B, KVH, 1, T, C1]
-        else:
-            ok = ok[:, :, None, None]
-        return jnp.where(ok, s, NEG_INF)
-
-    active = lay.lens > 0
-    if T == 1:  # decode: write the token into the free slot, attend over all, evict one
-        bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(k.shape[1]), indexing="ij")
-        slot = jnp.where(active[:, None], sc.free, ck.shape[2])  # out of range: not written
-
-        def scatter(arr, rows):
-            return arr.at[bi, hi, slot].set(rows[:, :, 0].astype(arr.dtype), mode="drop")
-
-        ck, cv = kvc.write_layer(ck, k, None, scatter), kvc.write_layer(cv, v, None, scatter)
-        sc = evict.written(sc, lay.n, active, err[:, :, 0])
-        keys, values = kvc.read_layer(ck, None), kvc.read_layer(cv, None)
-        C1 = keys.shape[2]
-        ctx, probs = _attend([cache_scores(keys, sc)], [values], jnp.ones((B, 1, C1), bool),
-                             cfg, int8_att)
-        sc = evict.decode_update(sc, probs, lay.n, active, spec, S)
-        return ctx, (ck, cv, sc)
-    # A chunk: attend to what is kept and to its own tokens as they will be stored (a token
-    # that becomes a sink stays in full precision), then compress.
-    keys, values = kvc.read_layer(ck, None), kvc.read_layer(cv, None)
-    C1 = keys.shape[2]
-    sink = (lay.pos < S)[:, None, :, None]
-    k_st = jnp.where(sink, k.astype(keys.dtype), kvc.as_stored(ck, k))
-    v_st = jnp.where(sink, v.astype(values.dtype), kvc.as_stored(cv, v))
-    scores = [cache_scores(keys, sc), _part_scores(q, plan.q, k_st, plan.keys, cfg, int8_att)]
-    mask = jnp.concatenate([jnp.ones((B, T, C1), bool), plan.mask], -1)
-    ctx, probs = _attend(scores, [values, v_st], mask, cfg, int8_att)
-    p = jnp.sum(jnp.where(lay.valid[:, None, None, :, None], probs, 0.0), axis=(2, 3))
-    sc, idx = evict.compress(sc, p[..., :C1], p[..., C1:], err, lay, spec)
-    return ctx, (kvc.select_slots(ck, k, idx), kvc.select_slots(cv, v, idx), sc)
 
 
 ACTIVATIONS = {"gelu": lambda h: jax.nn.gelu(h, approximate=False),
@@ -541,18 +154,18 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, lay, plan: AttnPlan):
+    def __call__(self, x, layer_cache, plan: attention.Plan):
         cfg = self.cfg
         ln1 = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_attn")
         ln2 = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_mlp")
         attn = Attention(cfg, name="attn")
         mlp = MLP(cfg, name="mlp")
         if not cfg.pre_norm:  # post-LN (OPT-350m): normalise after each residual add
-            a, new_cache = attn(x, layer_cache, lay, plan)
+            a, new_cache = attn(x, layer_cache, plan)
             h = ln1(x + a)
             return ln2(h + mlp(h)), new_cache
         h1 = ln1(x)
-        a, new_cache = attn(h1, layer_cache, lay, plan)
+        a, new_cache = attn(h1, layer_cache, plan)
         if cfg.parallel_residual:  # x + Attn(LN1 x) + MLP(LN2 x), or one shared LN (Falcon-7B)
             return x + a + mlp(h1 if cfg.shared_norm else ln2(x)), new_cache
         h = x + a
@@ -564,7 +177,10 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, cache: Optional[kvc.KVCache], lay: Optional[kvc.ChunkLayout],
-                 positions: Optional[Int[Array, "b t"]] = None):
+                 positions: Optional[Int[Array, "b t"]] = None,
+                 rows: Optional[Int[Array, "b k"]] = None):
+        """-> (logits [B, T, V] float32, or [B, K, V] at the positions ``rows`` [B, K] only;
+        the new per-layer (keys, values, scores))."""
         cfg = self.cfg
         B, T = tokens.shape
         dt = _dtype(cfg)
@@ -581,24 +197,24 @@ class Transformer(nn.Module):
                              name="pos_embed")(pos).astype(dt)
         # RoPE frequencies, positions, tables and masks once per forward, shared by all layers;
         # only dynamic NTK scaling depends on the length.
-        seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.new_length
-        if isinstance(lay, evict.Layout):  # what the last query sees: kept + the chunk
-            seq_len = lay.n + lay.lens
+        seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.seen_length
         if positions is not None:  # explicit positions: the sequence reaches the largest + 1
             seq_len = jnp.max(positions, axis=1).astype(jnp.int32) + 1
         freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
-        plan = attn_plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq,
+        plan = attention.plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq,
                          write_first=cache is None or not kvc.reads_before_write(cache.k[0]),
                          positions=positions, keys_rotated=cache is not None and cache.keys_rotated)
         new_k, new_v, new_s = [], [], []
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
                 cache.scores[layer:layer + 1]  # + the layer's evict.Scores if score-based
-            x, nc = Block(cfg, name=f"layer_{layer}")(x, layer_cache, lay, plan)
+            x, nc = Block(cfg, name=f"layer_{layer}")(x, layer_cache, plan)
             if nc is not None:
                 new_k.append(nc[0])
                 new_v.append(nc[1])
                 new_s.extend(nc[2:])
+        if rows is not None:  # the head only where logits are wanted ([B, T, V] is large)
+            x = jnp.take_along_axis(x, rows[:, :, None], axis=1)
         if cfg.final_norm:
             x = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_final")(x)
         if cfg.embedding_dim != cfg.hidden_size:
@@ -615,9 +231,21 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     return Transformer(cfg).init(key, jnp.zeros((1, 1), jnp.int32), None, None)["params"]
 
 
+# The rows (batch x tokens) of one prefill block: a long chunk goes through the cache in blocks
+# of at most this many rows, so its activations (the MLP's, the projections', the attention
+# output) are bounded whatever the prompt's length. 4,096 rows keep every product large.
+PREFILL_ROWS = 4096
+
+
+def prefill_block(batch: int, window: int) -> int:
+    """Tokens per block of a chunk through a cache: at most the window (a ring holds no more
+    at once) and PREFILL_ROWS / batch (a power of two, at least 16)."""
+    return min(window, max(16, 2 ** int(math.log2(max(1, PREFILL_ROWS // batch)))))
+
+
 def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
           cache: Optional[kvc.KVCache] = None, lens: Optional[Int[Array, " b"]] = None, *,
-          mutable=(), positions: Optional[Int[Array, "b t"]] = None):
+          mutable=(), positions: Optional[Int[Array, "b t"]] = None, last_only: bool = False):
     """The model as a traceable function: ``(logits [B, T, V] float32, cache)``.
 
     The one way every module runs the model inside its own ``jit`` (generate's loop, ppl's
@@ -629,51 +257,68 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
     SmoothQuant's calibration) or ``["attention"]`` (attention probabilities); the result is
     then ``(logits, None, state)``. ``positions`` [B, T] (plain forward only): each token's
     position id, increasing along the row (PoSE's skipped positions); default 0..T-1.
+    ``last_only``: the logits of each row's last valid token only, [B, 1, V] (a prefill that
+    samples the next token needs no more).
     """
+    B, T = tokens.shape
     if cache is None:
+        rows = jnp.full((B, 1), T - 1, jnp.int32) if last_only else None
         if not mutable:
             return Transformer(cfg).apply({"params": params}, tokens, None, None,
-                                          positions)[0], None
+                                          positions, rows)[0], None
         (logits, _), state = Transformer(cfg).apply({"params": params}, tokens, None, None,
-                                                    positions, mutable=list(mutable))
+                                                    positions, rows, mutable=list(mutable))
         return logits, None, state
     if mutable or positions is not None:
         raise ValueError("mutable collections and explicit positions apply to a plain forward "
                          "(cache=None); with a cache, positions are assigned within the cache")
-    B, T = tokens.shape
-    W = cache.window
+    blk = prefill_block(B, cache.window)
     # Score-based eviction prefills as its authors do: the whole chunk attends fully, then is
     # compressed once (jaxllm.evict), so its positions reach C + T (bounded by the chunk).
-    if T <= W or cache.evict_by is not None:
-        return _forward_chunk(params, cfg, tokens, cache, lens)
-    # A chunk longer than the window goes through in blocks of W tokens (a scan inside the same
-    # jit). Within a chunk, queries and keys are rotated at their chunk offsets, so a long chunk
-    # would put positions up to T into the float32 angles, which are coarse there (the error grew
-    # with the offset, 20x the token-by-token path's at 4,096). In blocks of W every rotated
-    # position lies in [-W, W) whatever T is, and the logits are the same (chunking never changes
-    # them); the scores also shrink to W x (S + 2W) per block from T x (S + W + T).
-    n = -(-T // W)
-    blocks = jnp.pad(tokens, ((0, 0), (0, n * W - T))).reshape(B, n, W).transpose(1, 0, 2)
-    block_lens = jnp.clip(lens[None, :] - W * jnp.arange(n, dtype=lens.dtype)[:, None], 0, W)
+    if T <= blk or cache.evict_by is not None:
+        return _forward_chunk(params, cfg, tokens, cache, lens, last_only)
+    # A longer chunk goes through in blocks of blk tokens (a scan inside the same jit; chunking
+    # never changes the logits). Within a chunk, queries and keys are rotated at their chunk
+    # offsets, so a long chunk would put positions up to T into the float32 angles, which are
+    # coarse there (the error grew with the offset, 20x the token-by-token path's at 4,096);
+    # in blocks of at most W every rotated position lies in [-W, W) whatever T is.
+    n = -(-T // blk)
+    blocks = jnp.pad(tokens, ((0, 0), (0, n * blk - T))).reshape(B, n, blk).transpose(1, 0, 2)
+    block_lens = jnp.clip(lens[None, :] - blk * jnp.arange(n, dtype=lens.dtype)[:, None], 0, blk)
+    V = cfg.vocab_size
+    out = jnp.zeros((B, 1, V) if last_only else (B, n * blk, V), jnp.float32)
 
-    def step(c, xs):
-        logits, c = _forward_chunk(params, cfg, xs[0], c, xs[1])
-        return c, logits
+    def step(carry, xs):
+        c, out = carry
+        i, block, block_len = xs
+        # Tied to the step, so XLA keeps each weight's use in the loop: hoisted out of it as
+        # invariant, XLA:CPU's float32 copies of bfloat16 weights (it has no bfloat16
+        # products) were all alive at once, the whole model's worth.
+        p, _ = jax.lax.optimization_barrier((params, i))
+        logits, c = _forward_chunk(p, cfg, block, c, block_len, last_only)
+        if last_only:  # the last block holding a row's tokens has its last token
+            out = jnp.where((block_len > 0)[:, None, None], logits, out)
+        else:  # written in place: no stacked copy of every block's logits
+            out = jax.lax.dynamic_update_slice_in_dim(out, logits, i * blk, axis=1)
+        return (c, out), None
 
-    cache, logits = jax.lax.scan(step, cache, (blocks, block_lens))  # logits [n, B, W, V]
-    return logits.transpose(1, 0, 2, 3).reshape(B, n * W, -1)[:, :T], cache
+    (cache, out), _ = jax.lax.scan(step, (cache, out), (jnp.arange(n), blocks, block_lens))
+    return (out if last_only else out[:, :T]), cache
 
 
-def _forward_chunk(params, cfg: ModelConfig, tokens, cache, lens):
+def _forward_chunk(params, cfg: ModelConfig, tokens, cache, lens, last_only: bool = False):
     """One chunk of at most ``cache.window`` tokens (any length with score-based eviction)
     through the cache."""
+    rows = jnp.maximum(lens - 1, 0)[:, None] if last_only else None
     if cache.evict_by is not None:  # H2O / Q-Hitter (jaxllm.evict)
         lay = evict.layout(cache.length, lens, tokens.shape[1], cache.sinks,
                            cache.capacity - 1, cache.evict_by)
-        logits, (ks, vs, ss) = Transformer(cfg).apply({"params": params}, tokens, cache, lay)
+        logits, (ks, vs, ss) = Transformer(cfg).apply({"params": params}, tokens, cache, lay,
+                                                      None, rows)
         return logits, cache.replace(k=ks, v=vs, scores=ss, length=lay.new_length)
     lay = kvc.chunk_layout(cache, lens, tokens.shape[1])
-    logits, (ks, vs, _) = Transformer(cfg).apply({"params": params}, tokens, cache, lay)
+    logits, (ks, vs, _) = Transformer(cfg).apply({"params": params}, tokens, cache, lay, None,
+                                                 rows)
     # A dense cache asked to overflow: under jit we cannot raise, so the row's logits become NaN
     # (outside jit, forward() raises before getting here).
     logits = jnp.where(lay.overflow[:, None, None], jnp.nan, logits)

@@ -55,8 +55,8 @@ def _nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens, stepwise: b
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _nll_last(params, cfg: ModelConfig, windows, targets):
     """Plain forward on each window [R, L]; NLL of ``targets`` [R] from the last position."""
-    logits, _ = apply(params, cfg, windows, None, None)
-    return _score(logits[:, -1], targets)
+    logits, _ = apply(params, cfg, windows, None, None, last_only=True)  # [R, 1, V]
+    return _score(logits[:, 0], targets)
 
 
 def _cached_nll(params, cfg, tokens, pc: PplConfig, bar):
@@ -78,7 +78,7 @@ def _cached_nll(params, cfg, tokens, pc: PplConfig, bar):
 
 
 def _recompute_nll(params, cfg, tokens, pc: PplConfig, bar):
-    n, S, L, W = len(tokens) - 1, pc.sinks, pc.cache, pc.window
+    n, L = len(tokens) - 1, pc.cache
     first = min(L, n)  # while t < L nothing is evicted: one causal forward is exact
     nll, hit = np.empty(n, np.float32), np.empty(n, bool)
     logits, _ = apply(params, cfg, jnp.asarray(tokens[None, :first], jnp.int32), None, None)

@@ -121,3 +121,10 @@ def apply_rope(x: Float[Array, "b t n h"], rot: Rotation, head_major: bool = Fal
     rotated_half = jnp.concatenate([-r[..., half:], r[..., :half]], axis=-1)
     out = jnp.concatenate([r * cos + rotated_half * sin, rest], axis=-1)
     return out.astype(x.dtype)
+
+
+def model_rotation(cfg, pos: Int[Array, "b l"], freq: Float[Array, "b r2"]) -> Rotation:
+    """``rotation`` as a model ``cfg`` (jaxllm.config.ModelConfig) applies it: tables only for
+    RoPE models, scaled by YaRN's attention temperature where the scaling has one."""
+    m = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
+    return rotation(pos, freq if cfg.pos_emb == "rope" else None, scale=m)

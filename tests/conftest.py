@@ -18,6 +18,11 @@ if "--xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
+# Blockwise attention (jaxllm.attention.flash) in blocks of 8 queries x 8 keys at the tiny models'
+# sizes, so every equivalence test runs its many-block paths (with blocks of the default budget
+# a tiny model's prompt fits in one).
+os.environ.setdefault("JAXLLM_SCORE_BLOCK", "1024")
+
 # One XLA compilation cache for the session and every process it starts (notebook kernels, CLI
 # and training subprocesses compile many of the programs the in-process tests already compiled).
 # A fresh directory per session (a clean clone starts cold), removed when the session ends.

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import kv_products  # noqa: E402
+import prefill_memory  # noqa: E402
 
 from jaxllm.quant import to_bits, widen_bits  # noqa: E402
 
@@ -142,3 +143,13 @@ def test_step_profile_classes_ops_of_a_compiled_module():
     assert parts["other large ops"] == (0.02, 1.0, D * 4 + D * D * 4)
     assert parts["small ops"] == (0.002, 0.5, classes[small][1] // 2)
     assert parts["int8 kernel"] == (0.0, 0.0, 0)
+
+
+def test_prefill_memory_prints_its_table(capsys, monkeypatch):
+    """The prefill-memory benchmark runs on any machine (abstract arrays, nothing allocated):
+    one Llama-2-7B layer, a short prompt, its table printed, not recorded."""
+    monkeypatch.setattr(sys, "argv", ["prefill_memory.py", "--layers", "1", "--shapes",
+                                      "1x64", "--no-record"])
+    prefill_memory.main()
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 x 64")]
+    assert len(row) == 1 and float(row[0].split("|")[2]) > 0, row

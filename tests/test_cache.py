@@ -135,12 +135,12 @@ DECODE_CASES = {  # (cfg, sinks, window, evict)
 def attention_path(request, monkeypatch):
     """A decode step's attention by the CPU kernel (pallas_kernels/csrc/decode_attention.cc;
     skipped where it is not available) or by the jnp path (what runs where it is not)."""
-    from jaxllm import model
+    from jaxllm.attention import decode
     if request.param == "kernel" and not (jax.default_backend() == "cpu"
                                           and pallas_kernels.cpu.attention_available()):
         pytest.skip(f"no decode-attention kernel here: {pallas_kernels.cpu.status()}")
     if request.param == "jnp":
-        monkeypatch.setattr(model, "use_attention_kernel", lambda k: False)
+        monkeypatch.setattr(decode, "use_attention_kernel", lambda k: False)
     jax.clear_caches()  # traces made under the other path must not be reused
     yield request.param
     jax.clear_caches()
@@ -344,7 +344,8 @@ def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype, attent
     a lap; also with groups of one head (a loop over all)."""
     from jaxllm import cache as kvc
     from jaxllm import quant
-    from jaxllm.model import _decode_attend, attn_plan
+    from jaxllm import attention
+    from jaxllm.attention.decode import attend_cache
     from jaxllm.rope import inv_freq
     cfg = CFGS[family]
     B, S, W = 2, 2, 13
@@ -353,16 +354,16 @@ def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype, attent
                           head=jnp.asarray([4, 7], jnp.int32))
     lay = kvc.chunk_layout(cache, jnp.ones((B,), jnp.int32), 1)
     freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, lay.new_length)
-    plan = attn_plan(cfg, lay, B, 1, S, freq, keys_rotated=cache.keys_rotated)
+    plan = attention.plan(cfg, lay, B, 1, S, freq, keys_rotated=cache.keys_rotated)
     rng = np.random.default_rng(0)
     shape = (B * cfg.num_kv_heads, S + W, cfg.head_dim)
     k, v = (jnp.asarray(rng.standard_normal(shape) * 3, dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((B, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
-    wide = _decode_attend(q, k.astype(jnp.float32), v.astype(jnp.float32), plan, cfg)
+    wide = attend_cache(q, k.astype(jnp.float32), v.astype(jnp.float32), plan, cfg)
     if dtype == "bfloat16":
         k, v = quant.to_bits(k), quant.to_bits(v)
     for budget in (quant.WIDEN_BYTES, 1):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(quant, "WIDEN_BYTES", budget)
-            narrow = _decode_attend(q, k, v, plan, cfg)
+            narrow = attend_cache(q, k, v, plan, cfg)
         np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=0, atol=2e-6)

@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 import transformers as tf  # noqa: E402
 
 import convert  # noqa: E402
-from jaxllm.model import MLP, Attention, Block, Norm, attn_plan  # noqa: E402
+from jaxllm import attention  # noqa: E402
+from jaxllm.model import MLP, Attention, Block, Norm  # noqa: E402
 from jaxllm.rope import inv_freq  # noqa: E402
 
 B, T = 2, 11
@@ -46,7 +47,7 @@ def _hf_inputs(model, x):
 
 def _plan(cfg):
     freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, jnp.full((B,), T))
-    return attn_plan(cfg, None, B, T, 0, freq)
+    return attention.plan(cfg, None, B, T, 0, freq)
 
 
 def _close(ours, theirs, what):
@@ -69,7 +70,7 @@ def test_mlp(llama):
 def test_attention(llama):
     model, cfg, p, x = llama
     h, _, rope, mask = _hf_inputs(model, x)
-    ours, _ = Attention(cfg).apply({"params": p["attn"]}, x, None, None, _plan(cfg))
+    ours, _ = Attention(cfg).apply({"params": p["attn"]}, x, None, _plan(cfg))
     with torch.no_grad():
         theirs = model.model.layers[0].self_attn(h, position_embeddings=rope,
                                                  attention_mask=mask)[0]
@@ -79,7 +80,7 @@ def test_attention(llama):
 def test_decoder_block(llama):
     model, cfg, p, x = llama
     h, pos, rope, mask = _hf_inputs(model, x)
-    ours, _ = Block(cfg).apply({"params": p}, x, None, None, _plan(cfg))
+    ours, _ = Block(cfg).apply({"params": p}, x, None, _plan(cfg))
     with torch.no_grad():
         theirs = model.model.layers[0](h, attention_mask=mask, position_ids=pos,
                                        position_embeddings=rope)
@@ -92,7 +93,7 @@ def test_a_wrong_weight_is_caught_at_its_layer(llama):
     model, cfg, p, x = llama
     h, _, rope, mask = _hf_inputs(model, x)
     bad = dict(p["attn"], o=dict(p["attn"]["o"], kernel=p["attn"]["o"]["kernel"].T))
-    ours, _ = Attention(cfg).apply({"params": bad}, x, None, None, _plan(cfg))
+    ours, _ = Attention(cfg).apply({"params": bad}, x, None, _plan(cfg))
     with torch.no_grad():
         theirs = model.model.layers[0].self_attn(h, position_embeddings=rope,
                                                  attention_mask=mask)[0]

@@ -34,7 +34,7 @@ import jax  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm.corpus import builtin_corpus  # noqa: E402
-from jaxllm.kvquant import KVQuant  # noqa: E402
+from jaxllm.kv.quantized import KVQuant  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
 from jaxllm.policy import CachePolicy  # noqa: E402
 from jaxllm.ppl import stream_nll  # noqa: E402

@@ -9,9 +9,9 @@ passes and times the forms each could take, so the gap is located and the next f
 measured, not guessed:
 
 - write: a float32 scatter (in place); bfloat16 as a select against the slot (jaxllm's form
-  before cache.Bf16Bits: one pass over the layer); bfloat16 through the layer's bits as uint32
+  before kv.stores.Bf16Bits: one pass over the layer); bfloat16 through the layer's bits as uint32
   pairs (an in-place 32-bit scatter between two bitcasts); the uint16 bits of a bfloat16 layer
-  scattered in place (jaxllm's form: cache.Bf16Bits).
+  scattered in place (jaxllm's form: kv.stores.Bf16Bits).
 - keys: ``k [N, C, Dh] . q [N, rows, Dh]`` contracting Dh, the query rows padded to 4; bfloat16
   with the query as three exact bfloat16 terms (``bf16_terms`` below, jaxllm's form before);
   the bits widened to float32 a few heads at a time (``quant.in_widened_groups``).
@@ -50,7 +50,7 @@ HEADS, DH = 12, 64
 def bf16_terms(x):
     """float32 ``x`` [..., r, d] as three bfloat16 row blocks [hi; mid; lo] whose float32 sum is
     exactly ``x`` (each keeps the next 8 significant bits, cut by masking): the form jaxllm's
-    decode step took over a bfloat16 cache before cache.Bf16Bits, one bfloat16 x bfloat16
+    decode step took over a bfloat16 cache before kv.stores.Bf16Bits, one bfloat16 x bfloat16
     product of three times the rows."""
     parts = []
     for _ in range(3):
@@ -191,7 +191,7 @@ def forms(N: int, C: int, q_rows: int = 1, p_rows: int = 1, dh: int = DH):
 
 
 # The forms jaxllm's decode step takes (cache.write_token, attention.decode.attend_cache), by cache dtype
-# (a bfloat16 cache on CPU: cache.Bf16Bits); attention by the CPU kernel where it is available.
+# (a bfloat16 cache on CPU: kv.stores.Bf16Bits); attention by the CPU kernel where it is available.
 _KERNEL = cpu.attention_available()
 JAXLLM_FORMS = {"float32": ("float32 scatter", "float32, CPU kernel (jaxllm)" if _KERNEL else
                             "float32, one pass (without the kernel)"),

@@ -41,7 +41,8 @@ suite)
   ;;
 kernels)
   step "compiled Pallas kernels (pytest -m gpu)"
-  timeout 200 $PY -m pytest -m gpu tests/test_pallas.py tests/test_model.py -q \
+  timeout 240 $PY -m pytest -m gpu tests/test_pallas.py tests/test_model.py \
+    tests/test_attention.py -q \
     -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1; tail -3 "$OUT/pytest_gpu.log"
   step "XLA int8 dot_general exactness"
   timeout 60 $PY benchmarks/xla_int8_check.py > "$OUT/xla_int8_check.log" 2>&1

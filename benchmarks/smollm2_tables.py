@@ -23,10 +23,9 @@ import time
 import numpy as np
 
 import jaxllm
-from jaxllm.cache import kv_bytes
 from jaxllm.corpus import builtin_corpus
-from jaxllm.evict import Evict
-from jaxllm.kvquant import KVQuant
+from jaxllm.kv.cache import kv_bytes
+from jaxllm.kv.quantized import KVQuant
 from jaxllm.policy import CachePolicy
 from jaxllm.ppl import recompute_at, stream_score
 

@@ -48,7 +48,7 @@ def main():
     cfg, params, tok = jaxllm.load_model(a.model)
     base = np.asarray(tok.encode(builtin_corpus()), np.int32)
     ids = np.resize(base, a.tokens + 1)  # the corpus repeated
-    from jaxllm.kvquant import KVQuant
+    from jaxllm.kv.quantized import KVQuant
     kv = KVQuant("token", bits=a.kv_bits, group=0) if a.method == "qhitter" else KVQuant()
     pc = CachePolicy.of(a.method, a.sinks, a.cache, kv_quant=kv)
     cache = pc.make_cache(cfg, 1, 0)

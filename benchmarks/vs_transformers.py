@@ -89,7 +89,7 @@ def main():
                 lambda: hf.generate(pt, max_new_tokens=N, min_new_tokens=N, do_sample=False,
                                     pad_token_id=0),
                 lambda: jaxllm.generate(params, cfg, pj, jaxllm.init_cache(
-                    cfg, B, sinks=0, window=16 + N, evict=False),
+                    cfg, B, sinks=0, window=16 + N, ring=False),
                     sc).tokens.block_until_ready()],
                 a.repeats)
         ratios[B] = t_hf / t_j

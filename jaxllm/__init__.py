@@ -1,9 +1,8 @@
 """jaxllm: StreamingLLM, SmoothQuant and sink-token pre-training in JAX."""
-from .cache import KVCache, init_cache
 from .config import PRESETS, ModelConfig, RopeScaling
 from .generate import GenerateResult, SamplingConfig, generate, generate_python
 from .io import load_model, save_model
-from .kvquant import KVQuant
+from .kv import KVCache, KVQuant, init_cache
 from .model import forward, init_params
 from .policy import CachePolicy
 from .ppl import PplConfig, stream_nll

@@ -53,7 +53,7 @@ def chat(params, cfg, tok, questions: list[str], cache, sampling=None,
     tokenizer's end token. ``on_round(round)`` is called as each round finishes (to print it)."""
     import dataclasses
 
-    from .cache import kv_bytes
+    from .kv.cache import kv_bytes
     from .generate import SamplingConfig, generate
     if tok.eos_id is None:
         raise ValueError("the tokenizer names no end-of-turn token; a chat needs one to stop "

@@ -174,7 +174,7 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
 
 def kv_quant(a):
     """The KVQuant of --kv-quant/--kv-bits/--kv-group."""
-    from .kvquant import KVQuant
+    from .kv.quantized import KVQuant
     try:
         if a.kv_quant == "int8":
             return KVQuant("int8", bits=8)
@@ -213,7 +213,7 @@ def evict_budgets(a) -> dict:
 def evict_kv(a):
     """The KV storage: --kv-* flags; qhitter without --kv-quant stores --kv-bits codes per token
     over the whole head (the authors' quantizer)."""
-    from .kvquant import KVQuant
+    from .kv.quantized import KVQuant
     if a.method == "qhitter" and a.kv_quant == "none":
         try:
             return KVQuant("token", bits=a.kv_bits, group=0)

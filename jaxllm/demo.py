@@ -20,7 +20,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from .kvquant import KVQuant
+from .kv.quantized import KVQuant
 from .policy import CachePolicy
 from .ppl import recompute_at, stream_score
 

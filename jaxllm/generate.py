@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from .cache import KVCache, check_room
+from .kv.cache import KVCache, check_room
 from .config import ModelConfig
 from .model import apply, check_chunk, forward
 from .policy import with_sink

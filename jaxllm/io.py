@@ -27,7 +27,7 @@ from . import tree
 from .config import PRESETS, ModelConfig
 from .model import init_params
 from .quant import from_plain, to_plain
-from .tokenizer import (ByteTokenizer, Tokenizer, copy_tokenizer, has_tokenizer,
+from .tokenizer import (ByteTokenizer, Tokenizer, copy_tokenizer,
                         load_tokenizer)
 
 CONFIG, WEIGHTS, ORBAX_DIR, TOKENIZER_DIR = "config.json", "model.safetensors", "params", "tokenizer"

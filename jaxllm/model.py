@@ -11,8 +11,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from . import attention
-from . import cache as kvc
-from . import evict
+from .kv import cache as kvc
+from .kv import evict, stores
 from .config import ModelConfig
 from .policy import check_positions
 from .quant import QKernel, qmatmul
@@ -202,7 +202,7 @@ class Transformer(nn.Module):
             seq_len = jnp.max(positions, axis=1).astype(jnp.int32) + 1
         freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
         plan = attention.plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq,
-                         write_first=cache is None or not kvc.reads_before_write(cache.k[0]),
+                         write_first=cache is None or not stores.reads_before_write(cache.k[0]),
                          positions=positions, keys_rotated=cache is not None and cache.keys_rotated)
         new_k, new_v, new_s = [], [], []
         for layer in range(cfg.num_layers):
@@ -274,7 +274,7 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
                          "(cache=None); with a cache, positions are assigned within the cache")
     blk = prefill_block(B, cache.window)
     # Score-based eviction prefills as its authors do: the whole chunk attends fully, then is
-    # compressed once (jaxllm.evict), so its positions reach C + T (bounded by the chunk).
+    # compressed once (jaxllm.kv.evict), so its positions reach C + T (bounded by the chunk).
     if T <= blk or cache.evict_by is not None:
         return _forward_chunk(params, cfg, tokens, cache, lens, last_only)
     # A longer chunk goes through in blocks of blk tokens (a scan inside the same jit; chunking
@@ -310,7 +310,7 @@ def _forward_chunk(params, cfg: ModelConfig, tokens, cache, lens, last_only: boo
     """One chunk of at most ``cache.window`` tokens (any length with score-based eviction)
     through the cache."""
     rows = jnp.maximum(lens - 1, 0)[:, None] if last_only else None
-    if cache.evict_by is not None:  # H2O / Q-Hitter (jaxllm.evict)
+    if cache.evict_by is not None:  # H2O / Q-Hitter (jaxllm.kv.evict)
         lay = evict.layout(cache.length, lens, tokens.shape[1], cache.sinks,
                            cache.capacity - 1, cache.evict_by)
         logits, (ks, vs, ss) = Transformer(cfg).apply({"params": params}, tokens, cache, lay,
@@ -371,7 +371,7 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
     if cache is None:
         check_positions(cfg, "dense", T)
     else:
-        check_positions(cfg, "streaming" if cache.evict or cache.sinks else "dense",
+        check_positions(cfg, "streaming" if cache.ring or cache.sinks else "dense",
                         cache.capacity)
     if cache is None:
         if lengths is not None:

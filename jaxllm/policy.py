@@ -18,7 +18,7 @@ Methods:
   model is re-run from scratch on ``sinks`` initial tokens + the last ``cache - sinks`` tokens,
   O(T * cache^2).
 * ``h2o`` / ``qhitter``: ``sinks`` + ``heavy`` tokens chosen by accumulated attention (Q-Hitter:
-  and quantization friendliness, weight ``lam``) + the ``recent`` last ones (jaxllm.evict).
+  and quantization friendliness, weight ``lam``) + the ``recent`` last ones (jaxllm.kv.evict).
   Budgets are counts, or fractions in (0, 1) of the text or prompt, resolved by :meth:`resolve`.
 """
 from __future__ import annotations
@@ -29,13 +29,13 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import KVCache, init_cache
+from .kv.cache import KVCache, init_cache
 from .config import ModelConfig
-from .evict import Evict
-from .kvquant import KVQuant
+from .kv.evict import Evict
+from .kv.quantized import KVQuant
 
 METHODS = ("dense", "window", "recompute", "streaming", "h2o", "qhitter")
-SCORED = ("h2o", "qhitter")  # score-based eviction (jaxllm.evict)
+SCORED = ("h2o", "qhitter")  # score-based eviction (jaxllm.kv.evict)
 STREAMING = ("window", "streaming") + SCORED  # positions assigned within the cache
 _NAMES = {"dense": "dense", "window": "window", "recompute": "recompute",
           "streaming": "StreamingLLM", "h2o": "H2O", "qhitter": "Q-Hitter"}
@@ -53,7 +53,7 @@ class CachePolicy:
     sinks: int = 4
     cache: int = 1024  # total slots: sinks + window
     chunk: int = 256
-    kv_quant: KVQuant = KVQuant()  # how the cache stores keys and values (jaxllm.kvquant)
+    kv_quant: KVQuant = KVQuant()  # how the cache stores keys and values (jaxllm.kv.quantized)
     # h2o / qhitter: counts, or fractions in (0, 1) of the text (resolve()); None splits the
     # cache's non-sink slots (h2o: half and half, the paper's 10% + 10%; qhitter: 3:1, the
     # authors' 15% + 5%, and 7/15 of the heavy slots by attention alone)
@@ -62,7 +62,7 @@ class CachePolicy:
     heavy_attn: Optional[float] = None
     lam: float = 0.5  # qhitter's λ (h2o is λ = 1)
     # the float dtype of a float cache (of a quantized one's sinks): float32, bfloat16 or
-    # float16; a bfloat16 cache on a CPU keeps its bits as uint16 (jaxllm.cache.Bf16Bits)
+    # float16; a bfloat16 cache on a CPU keeps its bits as uint16 (jaxllm.kv.stores.Bf16Bits)
     kv_dtype: str = "float32"
 
     def __post_init__(self):
@@ -140,7 +140,7 @@ class CachePolicy:
                                    cache=max(cache, self.sinks + 1))
 
     def evict_spec(self) -> Evict:
-        """The jaxllm.evict settings of an h2o/qhitter policy (counts; see resolve)."""
+        """The jaxllm.kv.evict settings of an h2o/qhitter policy (counts; see resolve)."""
         if self.is_fraction:
             raise ValueError("fractional budgets must be resolved against the text length "
                              "first: policy.resolve(n_tokens)")
@@ -202,7 +202,7 @@ class CachePolicy:
             if self.kv_quant.format == "kivi":  # KIVI's key blocks must tile the cache
                 R = self.kv_quant.residual
                 n_tokens = -(-n_tokens // R) * R
-            return init_cache(cfg, batch, sinks=0, window=n_tokens, evict=False, dtype=dtype,
+            return init_cache(cfg, batch, sinks=0, window=n_tokens, ring=False, dtype=dtype,
                               kv_quant=self.kv_quant)
         if self.method in SCORED:
             return init_cache(cfg, batch, sinks=self.sinks, dtype=dtype, kv_quant=self.kv_quant,

@@ -198,7 +198,7 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
 # ---- narrow arrays widened a few rows at a time (XLA:CPU) --------------------------------------
 
 def to_bits(x: Float[Array, "..."]) -> UInt16[Array, "..."]:
-    """``x`` rounded to bfloat16, as its 16-bit patterns (cache.Bf16Bits)."""
+    """``x`` rounded to bfloat16, as its 16-bit patterns (kv.stores.Bf16Bits)."""
     return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
 
 

@@ -189,7 +189,7 @@ def naive_logits(params, cfg, tokens, sinks=0, window=None) -> np.ndarray:
 
 
 class NaiveEvictStream(NaiveStream):
-    """H2O / Q-Hitter token by token (jaxllm.evict's rules, written from METHODS.md §1-2): per
+    """H2O / Q-Hitter token by token (jaxllm.kv.evict's rules, written from METHODS.md §1-2): per
     layer and KV head a Python list of kept entries in stream order; each token is appended,
     attended to at list positions 0..n-1 (position rolling), its group's attention added to every
     entry's score; then, above S+H+R entries, the lowest-scoring candidate (neither one of the

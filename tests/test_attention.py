@@ -138,9 +138,9 @@ def _logits(cfg, params, form, monkeypatch, tokens, cache=None, lens=None):
 
 @pytest.mark.parametrize("name", list(CFGS))
 def test_model_logits_blockwise_equal_materialised(name, monkeypatch):
-    """A plain forward of 37 tokens, then a stream through caches with and without sinks
-    (a chunk of 5, then one of 29 padded to 17 in one row, past a ring wrap): blockwise
-    attention (and for one family, the Pallas kernel, interpreted) gives the materialised
+    """A plain forward of 37 tokens, then a stream through a 3+10 cache (and, for llama, a
+    0+13 window): a chunk of 5, then one of 29 padded to 17 in one row, past a ring wrap.
+    Blockwise attention (and for llama the Pallas kernel, interpreted) gives the materialised
     form's logits, and the same caches (to rounding: a
     layer's keys come from the attention output of the layer below)."""
     cfg = CFGS[name]
@@ -154,16 +154,16 @@ def test_model_logits_blockwise_equal_materialised(name, monkeypatch):
         np.testing.assert_allclose(outs[form], outs["materialised"], atol=2e-5, rtol=1e-5)
     if name in ("neox (partial rotary)", "learnable sink", "yarn"):
         return  # their cache streams are the llama case's with other positions: tests/test_cache
-    for S, W in ((0, 13), (3, 10)):
+    for S, W in ((0, 13), (3, 10)) if name == "llama (GQA)" else ((3, 10),):
         runs = {}
-        for form in forms:
+        for form in forms if S else forms[:2]:
             cache = jaxllm.init_cache(cfg, 2, sinks=S, window=W)
             first, cache = _logits(cfg, params, form, monkeypatch, tokens[:, :5], cache,
                                    jnp.asarray([5, 5], jnp.int32))
             second, cache = _logits(cfg, params, form, monkeypatch, tokens[:, 5:34], cache,
                                     jnp.asarray([29, 17], jnp.int32))
             runs[form] = (first, second[:1], second[1:, :17], cache)
-        for form in forms[:1] + forms[2:]:
+        for form in runs:
             for got, want in zip(runs[form][:3], runs["materialised"][:3]):
                 np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5,
                                            err_msg=f"{form}, {S}+{W}")
@@ -228,3 +228,39 @@ def test_prefill_and_training_step_lower_for_gpu_and_tpu(platform, call, preset,
     grad = jax.jit(jax.grad(lambda p, x: apply(p, cfg, x)[0].mean())).trace(params, toks)
     for traced in (prefill, grad):
         assert call in traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_kernel_is_the_definition(dtype):
+    """The compiled Triton kernel (not interpreted), GQA, ALiBi, a window, odd sizes: the
+    attention of the definition, to the operands' rounding."""
+    from pallas_kernels import flash as kernel
+    rng = np.random.default_rng(7)
+    B, T, H, KVH, Dh, L = 2, 300, 8, 2, 128, 700
+    seg = _segment(rng, B, T, H, KVH, Dh, L, 500, L - T)
+    seg = seg._replace(q=seg.q.astype(dtype), k=seg.k.astype(dtype), v=seg.v.astype(dtype))
+    slopes = jnp.linspace(0.01, 0.1, H)
+    m, l, acc = (jnp.moveaxis(a, 1, 2) for a in flash.init_state(B, T, H, Dh, False))
+    m, l, acc = kernel.flash_segment(m, l, acc, jnp.moveaxis(seg.q, 1, 2), seg.k, seg.v,
+                                     seg.q_pos, seg.k_pos, seg.k_ok, slopes, span=seg.span)
+    got = jnp.moveaxis(acc / l[..., None], 1, 2)
+    want = _numpy_attention([seg._replace(q=seg.q.astype(jnp.float32),
+                                          k=seg.k.astype(jnp.float32),
+                                          v=seg.v.astype(jnp.float32))], slopes, False)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_of_8_x_2048_at_7b_shapes_runs():
+    """The prompt that ran out of memory on an H100 (8 x 2,048 tokens through a 4+4092
+    bfloat16 cache, Llama-2-7B layer shapes, here 2 layers and random weights): it runs, by
+    the Pallas kernel, and its logits are finite."""
+    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2, dtype="bfloat16")
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                          jaxllm.init_params(cfg, jax.random.key(0)))
+    cache = jaxllm.init_cache(cfg, 8, sinks=4, window=4092, dtype=jnp.bfloat16)
+    toks = jax.random.randint(jax.random.key(1), (8, 2048), 0, cfg.vocab_size)
+    logits, cache = jax.jit(functools.partial(apply, cfg=cfg, last_only=True))(
+        params, tokens=toks, cache=cache, lens=jnp.full((8,), 2048, jnp.int32))
+    assert logits.shape == (8, 1, cfg.vocab_size) and bool(jnp.isfinite(logits).all())

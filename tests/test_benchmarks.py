@@ -23,7 +23,7 @@ def test_kv_products_forms_compute_the_same_pass():
     N, C, q_rows, p_rows, dh = 4, 32, 3, 1, 8
     forms = kv_products.forms(N, C, q_rows, p_rows, dh)
 
-    def f64(a):  # float32 values; a bfloat16 layer's uint16 bits (cache.Bf16Bits) as values
+    def f64(a):  # float32 values; a bfloat16 layer's uint16 bits (kv.stores.Bf16Bits) as values
         a = jnp.asarray(a)
         return np.asarray(widen_bits(a) if a.dtype == jnp.uint16 else a.astype(jnp.float32),
                           np.float64)

@@ -28,7 +28,7 @@ def slot_of(t: int, S: int, W: int) -> int:
 
 def stored_key(cfg, key, slot: int, S: int, W: int):
     """What a cache made by init_cache holds for pre-RoPE ``key`` [heads, hd] in ``slot``: the
-    key rotated at the slot's position (j for a sink, ring offset - W; jaxllm.cache's note), by
+    key rotated at the slot's position (j for a sink, ring offset - W; jaxllm.kv.cache's note), by
     the float64 formula."""
     return _rope(np.asarray(key, np.float64)[None], [slot if slot < S else slot - S - W], cfg,
                  0)[0]
@@ -121,7 +121,7 @@ def test_keys_stored_rotated_or_before_rope_give_the_same_logits():
     assert not jaxllm.init_cache(dyn, 1, S, W).keys_rotated
 
 
-DECODE_CASES = {  # (cfg, sinks, window, evict)
+DECODE_CASES = {  # (cfg, sinks, window, ring)
     "neox 2+5": (NEOX, 2, 5, True),
     "llama window 4": (LLAMA, 0, 4, True),
     "llama dense 24": (LLAMA, 0, 24, False),
@@ -151,10 +151,10 @@ def test_decode_steps_equal_naive(case, attention_path):
     """One token per call takes the decode path (write the token, then read the cache): two rows
     with different pauses (lengths 0) through sink filling, ring wrap-arounds and the window,
     against the token-by-token naive cache, by the CPU kernel and by the jnp path."""
-    cfg, S, W, evict = DECODE_CASES[case]
+    cfg, S, W, ring = DECODE_CASES[case]
     params = jaxllm.init_params(cfg, jax.random.key(3))
     rng = np.random.default_rng(4)
-    cache = jaxllm.init_cache(cfg, 2, sinks=S, window=W, evict=evict)
+    cache = jaxllm.init_cache(cfg, 2, sinks=S, window=W, ring=ring)
     streams, got = [[], []], [[], []]
     for _ in range(22):
         toks = rng.integers(0, cfg.vocab_size, size=(2, 1))
@@ -165,7 +165,7 @@ def test_decode_steps_equal_naive(case, attention_path):
                 streams[b].append(int(toks[b, 0]))
                 got[b].append(np.asarray(logits[b, 0]))
     for b in range(2):
-        ref = NaiveStream(params, cfg, S, W if evict else None).run(streams[b])
+        ref = NaiveStream(params, cfg, S, W if ring else None).run(streams[b])
         np.testing.assert_allclose(np.stack(got[b]), ref, atol=3e-5, rtol=1e-4)
 
 
@@ -261,7 +261,7 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"lengths must lie in \[0, 3\]"):
         jaxllm.forward(params, cfg, np.zeros((1, 3), np.int32), jaxllm.init_cache(cfg, 1, 0, 8),
                        np.array([4]))
-    dense = jaxllm.init_cache(cfg, 1, sinks=0, window=8, evict=False)
+    dense = jaxllm.init_cache(cfg, 1, sinks=0, window=8, ring=False)
     _, dense = jaxllm.forward(params, cfg, np.zeros((1, 6), np.int32), dense)
     with pytest.raises(ValueError, match="dense cache overflow"):
         jaxllm.forward(params, cfg, np.zeros((1, 3), np.int32), dense)
@@ -315,8 +315,8 @@ def test_long_prompt_in_one_call_keeps_rotation_angles_bounded(name):
 def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
     """A one-layer model's keys and values do not depend on the cache, so after a chunk and
     decode steps past a full ring (batch 2), a 2-byte cache holds exactly the float32 cache's
-    entries rounded to its dtype (a bfloat16 cache on CPU as its bits, cache.Bf16Bits)."""
-    from jaxllm import cache as kvc
+    entries rounded to its dtype (a bfloat16 cache on CPU as its bits, stores.Bf16Bits)."""
+    from jaxllm.kv import stores
     cfg = dataclasses.replace(LLAMA, num_layers=1)
     params = jaxllm.init_params(cfg, jax.random.key(2))
     toks = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 14))
@@ -331,18 +331,18 @@ def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
                  (caches[jnp.float32].v[0], caches[dtype].v[0])):
         assert b.dtype == dtype
         np.testing.assert_array_equal(np.asarray(a.astype(dtype), np.float32),
-                                      np.asarray(kvc.read_layer(b, None), np.float32))
+                                      np.asarray(stores.read(b, None), np.float32))
 
 
 @pytest.mark.parametrize("family", ["neox", "llama"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype, attention_path):
-    """A decode step reads a bfloat16 cache on CPU as its uint16 bits (cache.Bf16Bits) and a
+    """A decode step reads a bfloat16 cache on CPU as its uint16 bits (kv.stores.Bf16Bits) and a
     float16 cache as stored, widened in registers by the CPU kernel or a few heads at a time by
     the jnp path (quant.in_widened_groups): on the same 2-byte keys and values, widened to
     float32 for the float32 path, both give the same output to float32 rounding, on a ring past
     a lap; also with groups of one head (a loop over all)."""
-    from jaxllm import cache as kvc
+    from jaxllm.kv import cache as kvc
     from jaxllm import quant
     from jaxllm import attention
     from jaxllm.attention.decode import attend_cache

@@ -50,7 +50,7 @@ def test_turns_add_up_to_the_template(tiny):
 def test_answers_are_greedy_continuations_of_the_whole_conversation(tiny):
     cfg, params, tok = tiny
     questions = ["w1 w2 w3", "w9", "w10 w11 w12 w13"]
-    cache = jaxllm.init_cache(cfg, 1, sinks=0, window=256, evict=False)  # dense: nothing lost
+    cache = jaxllm.init_cache(cfg, 1, sinks=0, window=256, ring=False)  # dense: nothing lost
     rounds, cache = chat(params, cfg, tok, questions, cache, SamplingConfig(max_new_tokens=6))
     seq: list[int] = []
     ended = True

@@ -132,7 +132,7 @@ def test_logits_and_greedy_match_transformers(name, saved):
         with torch.no_grad():
             ref = model.generate(torch.as_tensor(prompt), max_new_tokens=32,
                                  do_sample=False)[0, 12:].numpy()
-    cache = jaxllm.init_cache(cfg, 1, sinks=0, window=44, evict=False)
+    cache = jaxllm.init_cache(cfg, 1, sinks=0, window=44, ring=False)
     res = jaxllm.generate(params, cfg, jnp.asarray(prompt), cache,
                           jaxllm.SamplingConfig(max_new_tokens=32), jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(res.tokens[0, :32]), ref)
@@ -166,7 +166,7 @@ def test_opt_refuses_to_stream(saved):
         jaxllm.forward(params, cfg, TOKENS, jaxllm.init_cache(cfg, 2, sinks=4, window=60))
     with pytest.raises(ValueError, match="learned positions for 2048"):
         jaxllm.forward(params, cfg, TOKENS, jaxllm.init_cache(cfg, 2, sinks=0, window=4096,
-                                                                 evict=False))
+                                                                 ring=False))
 
 
 @pytest.mark.parametrize("name", ["neox-parallel-rot0.25", "neox-sequential-rot0.5-tied",

@@ -74,7 +74,7 @@ def test_kernel_is_softmax_attention(case, dtype):
     slopes = rng.uniform(0, 0.1, size=(N, G)).astype(np.float32) if alibi else None
     want = attention64(k.astype(np.float32), v.astype(np.float32), q, pick, G, dist, slopes,
                        zero_sink)
-    if dtype == "bfloat16 bits":  # a bfloat16 cache on CPU (jaxllm.cache.Bf16Bits)
+    if dtype == "bfloat16 bits":  # a bfloat16 cache on CPU (jaxllm.kv.stores.Bf16Bits)
         k, v = k.view(np.uint16), v.view(np.uint16)
     got = jax.jit(cpu.decode_attention, static_argnums=4, static_argnames="zero_sink")(
         jnp.asarray(k), jnp.asarray(v), jnp.asarray(q), jnp.asarray(pick), G,

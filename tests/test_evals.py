@@ -85,7 +85,7 @@ def test_exact_match_equals_greedy_decoding():
                                           sc).tokens[0])
     # with room for the whole stream every policy sees everything; with 4+20 the stream is
     # streamed past eviction, and the generation must use the same cache as the scoring
-    cases = [(greedy(jaxllm.init_cache(cfg, 1, sinks=0, window=64, evict=False)),
+    cases = [(greedy(jaxllm.init_cache(cfg, 1, sinks=0, window=64, ring=False)),
               [PplConfig("dense", 0, 64), PplConfig("streaming", 4, 64, chunk=7),
                PplConfig("recompute", 4, 64)]),
              (greedy(jaxllm.init_cache(cfg, 1, sinks=4, window=20)),

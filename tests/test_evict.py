@@ -1,4 +1,4 @@
-"""H2O and Q-Hitter (jaxllm.evict) against independent references: a numpy port of the H2O
+"""H2O and Q-Hitter (jaxllm.kv.evict) against independent references: a numpy port of the H2O
 authors' layer-wise cache fed attention tensors directly (METHODS.md §1 "Test"), hand-built
 Q-Hitter cases (§2 "Test"), the naive list cache of tests/reference.py implementing the same
 policy token by token, the full-attention forward for a prompt fed in one chunk, and StreamingLLM
@@ -15,9 +15,9 @@ from conftest import LLAMA, NEOX, backend_compiles
 from reference import NaiveEvictStream
 
 import jaxllm
-from jaxllm import evict
-from jaxllm.evict import Evict
-from jaxllm.kvquant import KVQuant, roundtrip
+from jaxllm.kv import evict
+from jaxllm.kv.evict import Evict
+from jaxllm.kv.quantized import KVQuant, roundtrip
 from jaxllm.policy import CachePolicy
 
 PARAMS = {"neox": jaxllm.init_params(NEOX, jax.random.key(0)),

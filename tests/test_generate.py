@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxllm
-from jaxllm.cache import Bf16Bits
+from jaxllm.kv.cache import Bf16Bits
 from jaxllm.generate import greedy, sample_logits
 
 PARAMS = jaxllm.init_params(LLAMA, jax.random.key(0))
@@ -41,7 +41,7 @@ def test_greedy_matches_hand_loop_with_padding_and_wraparound():
 
 
 def test_bfloat16_cache_generates_in_place():
-    """A bfloat16 cache (on CPU its uint16 bits, cache.Bf16Bits) through the one-jit loop: the
+    """A bfloat16 cache (on CPU its uint16 bits, kv.stores.Bf16Bits) through the one-jit loop: the
     greedy tokens of the per-token Python loop, the same cache contents, and its bits donated."""
     prompt, sc = np.asarray([[5, 9, 11, 2], [3, 4, 6, 1]]), jaxllm.SamplingConfig(max_new_tokens=14)
     caches = [jaxllm.init_cache(LLAMA, 2, sinks=2, window=6, dtype=jnp.bfloat16) for _ in "ab"]
@@ -142,7 +142,7 @@ def test_top_k_and_top_p_sample_only_from_the_allowed_set():
 def test_generate_errors():
     with pytest.raises(ValueError, match="top_p"):
         jaxllm.SamplingConfig(top_p=0.0)
-    dense = jaxllm.init_cache(LLAMA, 1, sinks=0, window=8, evict=False)
+    dense = jaxllm.init_cache(LLAMA, 1, sinks=0, window=8, ring=False)
     with pytest.raises(ValueError, match="dense cache overflow"):
         jaxllm.generate(PARAMS, LLAMA, np.ones((1, 4), np.int32), dense,
                         jaxllm.SamplingConfig(max_new_tokens=5))

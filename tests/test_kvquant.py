@@ -1,5 +1,5 @@
 """The quantized KV cache against independent numpy references written from METHODS.md
-(§Q-Hitter quantizer, §KIVI quantizer and packing), not from jaxllm.kvquant: the quantizers'
+(§Q-Hitter quantizer, §KIVI quantizer and packing), not from jaxllm.kv.quantized: the quantizers'
 golden cases, the packing, and whole-model logits of a streamed, chunked run against the naive
 list cache storing every non-sink token quantized by the numpy quantizer."""
 import dataclasses
@@ -12,8 +12,8 @@ from conftest import backend_compiles
 from reference import NaiveStream
 
 import jaxllm
-from jaxllm import kvquant as kq
-from jaxllm.cache import kv_bytes
+from jaxllm.kv import quantized as kq
+from jaxllm.kv.cache import kv_bytes
 
 # head_dim 16: 2-bit codes fill exactly one uint32 word per head
 CFG = jaxllm.ModelConfig.llama(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
@@ -321,7 +321,7 @@ def test_kivi_buffer_counts_after_prefill_and_decode():
     ref.run(tokens[0, :100])
     want = {"keys_quantized": 96, "keys_full": 4, "values_quantized": 68, "values_full": 32}
     assert ref.lists[0].counts() == want
-    cache = jaxllm.init_cache(cfg, 1, 0, 256, evict=False, kv_quant=spec)
+    cache = jaxllm.init_cache(cfg, 1, 0, 256, ring=False, kv_quant=spec)
     _, cache = jaxllm.forward(params, cfg, tokens[:, :100], cache)  # prefill in one chunk
     assert kq.kivi_counts(cache) == want
     for t in range(100, 128):
@@ -364,7 +364,7 @@ def test_kivi_chunks_attend_in_full_then_store_what_steps_store():
     cb = jaxllm.init_cache(CFG, 1, 2, 8, kv_quant=spec)
     for t in range(20):
         _, cb = jaxllm.forward(PARAMS, CFG, tokens[:, t:t + 1], cb)
-    lay = jaxllm.cache.chunk_layout(ca, jnp.ones((1,), jnp.int32), 1)
+    lay = jaxllm.kv.cache.chunk_layout(ca, jnp.ones((1,), jnp.int32), 1)
     for x, y in ((ca.k[0], cb.k[0]), (ca.v[0], cb.v[0])):
         np.testing.assert_allclose(np.asarray(x.read(lay)), np.asarray(y.read(lay)), atol=1e-5)
     assert kq.kivi_counts(ca) == kq.kivi_counts(cb)

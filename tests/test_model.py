@@ -48,7 +48,7 @@ def test_dense_cache_decode_equals_plain_forward(model):
     cfg, params = model
     tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, cfg.vocab_size)
     full, _ = jaxllm.forward(params, cfg, tokens)
-    cache = jaxllm.init_cache(cfg, 2, sinks=0, window=40, evict=False)
+    cache = jaxllm.init_cache(cfg, 2, sinks=0, window=40, ring=False)
     first, cache = jaxllm.forward(params, cfg, tokens[:, :17], cache)  # prefill, then decode
     steps = [first]
     for t in range(17, 40):

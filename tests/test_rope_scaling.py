@@ -102,7 +102,7 @@ def test_yarn_llama_matches_transformers(rope):
         hf = model.generate(torch.from_numpy(tokens[:1, :8]), max_new_tokens=32, do_sample=False,
                             min_new_tokens=32)[0, 8:].numpy()
     res = jaxllm.generate(params, cfg, tokens[:1, :8], jaxllm.init_cache(cfg, 1, 0, 40,
-                                                                         evict=False),
+                                                                         ring=False),
                           jaxllm.SamplingConfig(max_new_tokens=32))
     np.testing.assert_array_equal(np.asarray(res.tokens[0]), hf)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from .. import evict
+from ..kv import evict
 from ..config import ModelConfig
 from . import decode, flash, plain, ring, scored
 from .scores import alibi_slopes
@@ -28,7 +28,7 @@ def plan(cfg: ModelConfig, lay, B: int, T: int, sinks: int, freq, write_first: b
     """The plan for ``lay``: None (a plain forward at ``positions`` [B, T], default 0..T-1), a
     cache's ChunkLayout (a decode step when T == 1 and the store is written before it is read,
     ``write_first``; else a chunk) or an evict.Layout. ``freq`` [B, r/2]: RoPE's inverse
-    frequencies; ``keys_rotated``: the cache stores its keys rotated (jaxllm.cache's note)."""
+    frequencies; ``keys_rotated``: the cache stores its keys rotated (jaxllm.kv.cache's note)."""
     if lay is None:
         return plain.plan(cfg, B, T, freq, positions)
     if isinstance(lay, evict.Layout):

@@ -1,5 +1,5 @@
 """A decode step: one query per row against the whole cache after its token is written
-(jaxllm.cache's token_view). The scores of one row are small, so this is the materialised
+(jaxllm.kv.cache's token_view). The scores of one row are small, so this is the materialised
 form, in one pass over each head's keys and values: the CPU kernel where it is built
 (pallas_kernels.cpu.decode_attention), XLA's form elsewhere."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool, Int
 
 import pallas_kernels.cpu
 
-from .. import cache as kvc
+from ..kv import cache as kvc
 from ..config import ModelConfig
 from ..quant import QAttention, absmax_scale, in_widened_groups, pv, qk_scores, widen
 from ..rope import Rotation, apply_rope, model_rotation
@@ -96,7 +96,7 @@ def attend_cache(q, k, v, plan: "Decode", cfg: ModelConfig,
     """One query per row against the whole cache after the step's write (cache.token_view).
 
     q [B, 1, H, Dh]; k, v [B * KVH, C, Dh] (cache.write_token's reads: float arrays, or the
-    uint16 bits of a bfloat16 cache on CPU, cache.Bf16Bits; 2-byte ones are widened a few
+    uint16 bits of a bfloat16 cache on CPU, kv.stores.Bf16Bits; 2-byte ones are widened a few
     heads at a time, quant.in_widened_groups). The query is rotated at its three
     positions (sinks, this lap, last lap), all three are scored against every slot in one
     product, and each slot keeps the score ``plan.pick`` names: the keys are read once and,

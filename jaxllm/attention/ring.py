@@ -2,7 +2,7 @@
 sinks, a dense one never wraps): the chunk attends to the sinks, to the ring as it was before
 the chunk, and to itself, all at positions within the cache ("Efficient Streaming Language
 Models with Attention Sinks", Xiao et al. 2024, Section 3.2: positions are assigned within the
-cache, not in the original text). jaxllm.cache's chunk_layout does the index arithmetic.
+cache, not in the original text). jaxllm.kv.cache's chunk_layout does the index arithmetic.
 
 Three segments of keys (jaxllm.attention.flash), each with its own positions: the sinks, seen
 from the query's position min(t, S+W-1); the ring's slots at -d (d tokens before the chunk);
@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
-from .. import cache as kvc
+from ..kv import cache as kvc
+from ..kv import stores
 from ..config import ModelConfig
 from ..rope import Rotation, apply_rope, model_rotation
 from ..rope import rotation as plain_rotation
@@ -37,7 +38,7 @@ class Ring(NamedTuple):
         """q [B, T, H, Dh], k, v [B, KVH, T, Dh] and the layer's (keys, values) -> (out
         [B, T, H, Dh] float32, the layer's new (keys, values), None)."""
         lay = self.lay
-        ck, cv = layer_cache  # float arrays, or quantized stores (jaxllm.kvquant)
+        ck, cv = layer_cache  # float arrays, or quantized stores (jaxllm.kv.quantized)
         if self.store is not None:  # the cache keeps keys rotated at their slots' positions
             k = apply_rope(k, self.store, head_major=True)
         k_new, v_new = k, v
@@ -45,11 +46,11 @@ class Ring(NamedTuple):
         S = 0 if self.k_sink is None else self.k_sink.pos.shape[1]
         # What is attended to is exactly what is cached (its dtype, its quantization), so a
         # chunk and the token-by-token process see identical keys and values.
-        k_ring, v_ring = kvc.as_stored(ck, k), kvc.as_stored(cv, v)
+        k_ring, v_ring = stores.as_stored(ck, k), stores.as_stored(cv, v)
         C = lay.ring_k_pos.shape[1]
         ring_rot, chunk_rot = self.keys.part(0, C), self.keys.part(C, C + T)
         if int8_att is not None or flash.backend() == "materialised":
-            ck, cv = kvc.read_layer(ck, lay), kvc.read_layer(cv, lay)
+            ck, cv = stores.read(ck, lay), stores.read(cv, lay)
             scores = [sc.part_scores(q, self.q, ck, ring_rot, cfg, int8_att),
                       sc.part_scores(q, self.q, k_ring, chunk_rot, cfg, int8_att)]
             values = [cv, v_ring]
@@ -89,7 +90,7 @@ class Ring(NamedTuple):
 def _same_store(layer_kv, read):
     """``layer_kv`` holding ``read``, what _blockwise_read gave for it (and a loop returned);
     a quantized store's read is a dequantized copy, so the store stays as it is."""
-    if isinstance(layer_kv, kvc.Bf16Bits):
+    if isinstance(layer_kv, stores.Bf16Bits):
         return layer_kv.replace(bits=read)
     return read if isinstance(layer_kv, jax.Array) else layer_kv
 
@@ -97,15 +98,15 @@ def _same_store(layer_kv, read):
 def _blockwise_read(layer_kv, lay):
     """A layer as the blockwise form reads it: a bfloat16 cache on CPU as its uint16 bits
     (widened a block at a time; reading it whole would make a float32 copy), a quantized store
-    dequantized (jaxllm.kvquant), a float array as it is."""
-    return layer_kv.bits if isinstance(layer_kv, kvc.Bf16Bits) else kvc.read_layer(layer_kv, lay)
+    dequantized (jaxllm.kv.quantized), a float array as it is."""
+    return layer_kv.bits if isinstance(layer_kv, stores.Bf16Bits) else stores.read(layer_kv, lay)
 
 
 def plan(cfg: ModelConfig, lay: kvc.ChunkLayout, B: int, T: int, sinks: int, freq,
          keys_rotated: bool = False) -> Ring:
     """The chunk's positions: queries at their chunk offsets c, ring keys at -d, chunk keys at
     c'; ``keys_rotated``: the cache stores keys rotated at their slots' positions
-    (jaxllm.cache's note), which are turned to these by the difference."""
+    (jaxllm.kv.cache's note), which are turned to these by the difference."""
     rotation = lambda pos: model_rotation(cfg, pos, freq)
     store = rotation(lay.store_pos) if keys_rotated else None
     C = lay.ring_k_pos.shape[1]

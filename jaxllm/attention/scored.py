@@ -1,4 +1,4 @@
-"""Attention through an H2O / Q-Hitter cache (jaxllm.evict: "H2O: Heavy-Hitter Oracle for
+"""Attention through an H2O / Q-Hitter cache (jaxllm.kv.evict: "H2O: Heavy-Hitter Oracle for
 Efficient Generative Inference of Large Language Models", Zhang et al. 2023, Algorithm 1; and
 Q-Hitter, "Q-Hitter: A Better Token Oracle for Efficient LLM Inference via Sparse-Quantized KV
 Cache", Zhang et al. 2024). Each KV head keeps its own keys at their own ranks, and the
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
-from .. import cache as kvc
-from .. import evict
+from ..kv import stores
+from ..kv import evict
 from ..config import ModelConfig
 from ..rope import Rotation, model_rotation
 from pallas_kernels.reference import computed_once
@@ -58,7 +58,7 @@ def plan(cfg: ModelConfig, lay: evict.Layout, B: int, T: int, freq) -> Scored:
 
 
 def attend_scored(q, k, v, layer_cache, plan: Scored, cfg: ModelConfig, int8_att):
-    """Attention through an H2O / Q-Hitter cache (jaxllm.evict): each KV head's kept keys sit
+    """Attention through an H2O / Q-Hitter cache (jaxllm.kv.evict): each KV head's kept keys sit
     at their own ranks; the attention paid to every key is added to its score, then the cache
     evicts (one token per decode step, or compresses after a chunk)."""
     lay = plan.lay
@@ -66,7 +66,7 @@ def attend_scored(q, k, v, layer_cache, plan: Scored, cfg: ModelConfig, int8_att
     B, T = q.shape[:2]
     spec, S = lay.spec, lay.sinks
     if spec.uses_error:  # Q-Hitter: what storing each key and value loses
-        err = jnp.stack([evict.token_error(x, functools.partial(kvc.as_stored, store))
+        err = jnp.stack([evict.token_error(x, functools.partial(stores.as_stored, store))
                          for x, store in ((k, ck), (v, cv))], -1)
     else:
         err = jnp.zeros(k.shape[:3] + (2,))
@@ -90,9 +90,9 @@ def attend_scored(q, k, v, layer_cache, plan: Scored, cfg: ModelConfig, int8_att
         def scatter(arr, rows):
             return arr.at[bi, hi, slot].set(rows[:, :, 0].astype(arr.dtype), mode="drop")
 
-        ck, cv = kvc.write_layer(ck, k, None, scatter), kvc.write_layer(cv, v, None, scatter)
+        ck, cv = stores.write(ck, k, None, scatter), stores.write(cv, v, None, scatter)
         sc = evict.written(sc, lay.n, active, err[:, :, 0])
-        keys, values = kvc.read_layer(ck, None), kvc.read_layer(cv, None)
+        keys, values = stores.read(ck, None), stores.read(cv, None)
         C1 = keys.shape[2]
         ctx, probs = mat.attend([cache_scores(keys, sc)], [values], jnp.ones((B, 1, C1), bool),
                              cfg, int8_att)
@@ -100,14 +100,14 @@ def attend_scored(q, k, v, layer_cache, plan: Scored, cfg: ModelConfig, int8_att
         return ctx, (ck, cv, sc)
     # A chunk: attend to what is kept and to its own tokens as they will be stored (a token
     # that becomes a sink stays in full precision), then compress.
-    keys, values = kvc.read_layer(ck, None), kvc.read_layer(cv, None)
+    keys, values = stores.read(ck, None), stores.read(cv, None)
     C1 = keys.shape[2]
     sink = (lay.pos < S)[:, None, :, None]
-    k_st = jnp.where(sink, k.astype(keys.dtype), kvc.as_stored(ck, k))
-    v_st = jnp.where(sink, v.astype(values.dtype), kvc.as_stored(cv, v))
+    k_st = jnp.where(sink, k.astype(keys.dtype), stores.as_stored(ck, k))
+    v_st = jnp.where(sink, v.astype(values.dtype), stores.as_stored(cv, v))
     parts = [cache_scores(keys, sc), mat.part_scores(q, plan.q, k_st, plan.keys, cfg, int8_att)]
     mask = jnp.concatenate([jnp.ones((B, T, C1), bool), plan.mask], -1)
     ctx, probs = mat.attend(parts, [values, v_st], mask, cfg, int8_att)
     p = jnp.sum(jnp.where(lay.valid[:, None, None, :, None], probs, 0.0), axis=(2, 3))
     sc, idx = evict.compress(sc, p[..., :C1], p[..., C1:], err, lay, spec)
-    return ctx, (kvc.select_slots(ck, k, idx), kvc.select_slots(cv, v, idx), sc)
+    return ctx, (stores.select(ck, k, idx), stores.select(cv, v, idx), sc)

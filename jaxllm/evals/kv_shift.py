@@ -4,7 +4,7 @@ Quantizing keys changes the attention a model pays, so the heavy hitters H2O wou
 quantized cache are not those of the float cache. For one text fed as a prompt, per layer:
 
 * the accumulated attention of every token (column sums of the causal attention, summed over a
-  KV head's query heads: jaxllm.evict's score) with float keys and values and with k-bit ones;
+  KV head's query heads: jaxllm.kv.evict's score) with float keys and values and with k-bit ones;
 * the heavy-hitter set H2O's prefill keeps from each (top ``heavy`` among all but the last
   ``recent`` tokens, per KV head) and the overlap of the k-bit set with the float one;
 * each token's quantization error (L2 of the key's and the value's, averaged), and its rank
@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ModelConfig
-from ..evict import Evict
-from ..kvquant import KVQuant
+from ..kv.evict import Evict
+from ..kv.quantized import KVQuant
 from ..policy import CachePolicy
 
 

@@ -6,9 +6,9 @@ One cache type serves every policy:
   ``0..S-1``; later tokens go round a ring of ``W`` slots. Token ``t`` is written to slot ``t`` if
   ``t < S`` else ``S + (t - S) mod W``.
 * **window** ``S = 0``: the ring alone.
-* **dense** ``S = 0, W = max length, evict=False``: nothing is ever evicted; writing past the end
+* **dense** ``S = 0, W = max length, ring=False``: nothing is ever evicted; writing past the end
   is an error.
-* **H2O / Q-Hitter** (``evict_by``, jaxllm.evict): ``S`` sinks plus ``H + R + 1`` slots whose
+* **H2O / Q-Hitter** (``evict_by``, jaxllm.kv.evict): ``S`` sinks plus ``H + R + 1`` slots whose
   tokens are chosen by accumulated attention (and quantization error); per-slot scores and
   positions ride along in ``scores``. The ring arithmetic below does not apply to them.
 
@@ -56,57 +56,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Float, Int, UInt16
+from jaxtyping import Array, Bool, Float, Int
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .evict import Evict, empty_scores
-from .kvquant import KVQuant, empty_kivi, empty_store, round_to
-from .quant import to_bits
-
-
-@struct.dataclass
-class Bf16Bits:
-    """A layer of a bfloat16 cache on CPU: its keys or values [B, n, C, h] kept as their 16-bit
-    patterns (uint16). :func:`init_cache` stores a bfloat16 cache this way on CPU; on other
-    backends a bfloat16 cache is a plain bfloat16 array.
-
-    Why: XLA:CPU has no bfloat16 arithmetic. Its float normalization widens the whole operand
-    of every bfloat16 op to float32 (a dot's, a scatter's, a dynamic slice's, even a bitcast's),
-    so a decode step over a bfloat16 layer wrote a fresh float32 copy of it, at this VM's
-    page-fault rate: at 4,096 slots and batch 8 the values product took 37-47 ms a layer
-    against float32's 4-6 (docs/BENCHMARKS.md, KV cache passes by form). Integer arrays are left
-    alone: a decode step scatters its token into the bits in place and widens them (a shift,
-    exact) a few heads at a time (quant.in_widened_groups), 2-3 ms a layer there.
-
-    To everything else it is a store (kvquant's interface): ``read`` gives the bfloat16 array
-    and ``stored`` rounds a chunk to bfloat16, so a bits cache and a bfloat16 array attend to
-    and keep the same numbers.
-    """
-
-    bits: UInt16[Array, "b n c h"]
-
-    reads_before_write = False
-
-    @property
-    def shape(self) -> tuple:
-        return self.bits.shape
-
-    @property
-    def dtype(self):
-        return jnp.dtype(jnp.bfloat16)
-
-    def read(self, lay=None) -> Float[Array, "b n c h"]:
-        return jax.lax.bitcast_convert_type(self.bits, jnp.bfloat16)
-
-    def stored(self, chunk: Float[Array, "b n t h"]) -> Float[Array, "b n t h"]:
-        return chunk.astype(jnp.bfloat16)
-
-    def write(self, chunk: Float[Array, "b n t h"], lay, scatter) -> "Bf16Bits":
-        return self.replace(bits=scatter(self.bits, to_bits(chunk)))
-
-    def select(self, chunk: Float[Array, "b n t h"], idx: Int[Array, "b n c"]) -> "Bf16Bits":
-        both = jnp.concatenate([self.bits, to_bits(chunk)], axis=2)
-        return self.replace(bits=jnp.take_along_axis(both, idx[..., None], axis=2))
+from ..quant import to_bits
+from . import stores
+from .quantized import KVQuant, empty_kivi, empty_store
+from .stores import Bf16Bits
 
 
 @struct.dataclass
@@ -119,7 +76,7 @@ class KVCache:
     ``S..S+W-1`` the ring. ``length`` [B]: number of filled slots (= tokens seen, saturating at
     S+W).
     ``head`` [B]: ring offset the next non-sink token is written to.
-    ``scores`` (score-based eviction only, ``evict_by`` set): per layer, jaxllm.evict.Scores;
+    ``scores`` (score-based eviction only, ``evict_by`` set): per layer, jaxllm.kv.evict.Scores;
     ``length`` then counts the kept tokens (saturating at ``capacity - 1``), ``head`` is unused.
     """
 
@@ -128,7 +85,7 @@ class KVCache:
     length: Int[Array, " b"]
     head: Int[Array, " b"]
     sinks: int = struct.field(pytree_node=False)
-    evict: bool = struct.field(pytree_node=False, default=True)
+    ring: bool = struct.field(pytree_node=False, default=True)  # False: dense, never overwrites
     scores: tuple = ()  # per layer: evict.Scores (score-based caches), else empty
     evict_by: Optional[Evict] = struct.field(pytree_node=False, default=None)
     keys_rotated: bool = struct.field(pytree_node=False, default=False)  # see the module's note
@@ -164,10 +121,10 @@ def available_bytes():
 
 
 def check_room(cache: KVCache, need) -> None:
-    """A dense cache (``evict=False``) must hold what is written to it: ``need`` [B] tokens per
+    """A dense cache (``ring=False``) must hold what is written to it: ``need`` [B] tokens per
     row (concrete). Streaming caches evict, so they always have room."""
     need = np.asarray(need)
-    if not cache.evict and (need > cache.capacity).any():
+    if not cache.ring and (need > cache.capacity).any():
         raise ValueError(f"dense cache overflow: a row would hold {int(need.max())} tokens but "
                          f"the cache has {cache.capacity} slots; make a larger dense cache or "
                          f"use a streaming cache (init_cache(cfg, B, sinks=4, window=W))")
@@ -198,18 +155,18 @@ def _as_int(x, name: str) -> int:
 
 
 def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020, *,
-               evict: bool = True, dtype=jnp.float32,
+               ring: bool = True, dtype=jnp.float32,
                kv_quant: Optional[KVQuant] = None, evict_by: Optional[Evict] = None
                ) -> KVCache:
     """An empty cache of ``sinks + window`` slots per row.
 
     ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
-    ``sinks=0`` gives window attention; ``sinks=0, window=L, evict=False`` a dense cache of L tokens.
+    ``sinks=0`` gives window attention; ``sinks=0, window=L, ring=False`` a dense cache of L tokens.
     ``dtype``: float32, bfloat16 or float16; a bfloat16 cache on CPU keeps its layers as their
     uint16 bits (:class:`Bf16Bits`: XLA:CPU's bfloat16 ops are slow), elsewhere as bfloat16.
-    ``kv_quant``: store keys and values in int8 or k-bit codes (jaxllm.kvquant; the sinks stay in
+    ``kv_quant``: store keys and values in int8 or k-bit codes (jaxllm.kv.quantized; the sinks stay in
     ``dtype``), for any of these policies.
-    ``evict_by``: H2O or Q-Hitter (jaxllm.evict) keeping ``sinks + heavy + recent`` tokens; the
+    ``evict_by``: H2O or Q-Hitter (jaxllm.kv.evict) keeping ``sinks + heavy + recent`` tokens; the
     window is then ``heavy + recent + 1`` (the extra slot takes each new token) and ``window``
     is ignored.
     """
@@ -260,7 +217,7 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
     return KVCache(k=tuple(layer() for _ in range(cfg.num_layers)),
                    v=tuple(layer(True) for _ in range(cfg.num_layers)),
                    length=jnp.zeros((batch,), jnp.int32), head=jnp.zeros((batch,), jnp.int32),
-                   sinks=sinks, evict=evict, scores=scores, evict_by=evict_by,
+                   sinks=sinks, ring=ring, scores=scores, evict_by=evict_by,
                    keys_rotated=rotates_keys(cfg, kv_quant, evict_by))
 
 
@@ -356,7 +313,7 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     n_nonsink = jnp.maximum(lens - n_sink_in_chunk, 0)
     new_head = jnp.mod(head + n_nonsink, W)[:, 0]
     new_length = jnp.minimum(length + lens, S + W)[:, 0]
-    overflow = (length + lens > S + W)[:, 0] if not cache.evict else jnp.zeros((B,), bool)
+    overflow = (length + lens > S + W)[:, 0] if not cache.ring else jnp.zeros((B,), bool)
     return ChunkLayout(sink_from_chunk, sink_chunk_idx, sink_mask, sink_q_pos, rest_mask,
                        ring_k_pos, jnp.broadcast_to(c, (B, T)), rest_q_pos, write_slot,
                        store_pos, new_length, new_head, overflow, old_head=head[:, 0],
@@ -387,49 +344,10 @@ def write_chunk(cache_k: Float[Array, "b n c h"], chunk_k: Float[Array, "b n t h
         chunk_k.transpose(0, 2, 1, 3).astype(cache_k.dtype), mode="drop")
 
 
-def _is_store(layer_kv) -> bool:
-    return not isinstance(layer_kv, jax.Array) and hasattr(layer_kv, "read")
-
-
-def read_layer(layer_kv, lay: ChunkLayout) -> Float[Array, "b n c h"]:
-    """A layer's keys or values as attention reads them: the float array, or a quantized
-    store dequantized (its sink slots, and KIVI's residual, in full precision)."""
-    return layer_kv.read(lay) if _is_store(layer_kv) else layer_kv
-
-
-def reads_before_write(layer_kv) -> bool:
-    """KIVI attends to the state before a step and quantizes after it, so even a decode step
-    must read the cache before writing its token."""
-    return _is_store(layer_kv) and layer_kv.reads_before_write
-
-
-def as_stored(layer_kv, chunk: Float[Array, "b n t h"]) -> Float[Array, "b n t h"]:
-    """``chunk`` exactly as the cache will return it once written (its dtype; quantized and
-    dequantized), so a chunk attends to its own tokens as the token-by-token process would.
-    A bfloat16 rounding goes through kvquant.round_to, which XLA:GPU keeps (it removes a bare
-    convert pair); float16 keeps astype, since round_to would flush the subnormals its write
-    keeps (so on a GPU a float16 chunk may attend to its own keys unrounded)."""
-    if _is_store(layer_kv):
-        return layer_kv.stored(chunk)
-    dt = layer_kv.dtype
-    return (round_to(chunk, dt) if dt == jnp.bfloat16 else chunk).astype(dt)
-
-
-def write_layer(layer_kv, chunk: Float[Array, "b n t h"], lay: ChunkLayout, scatter=None):
-    """A layer's keys or values after the chunk is written (see write_chunk); ``scatter(array,
-    rows)``, if given, puts the rows [B, KVH, T, ...] somewhere else (jaxllm.evict's slots)."""
-    scatter = scatter or (lambda arr, rows: write_chunk(arr, rows, lay))
-    return layer_kv.write(chunk, lay, scatter) if _is_store(layer_kv) else \
-        scatter(layer_kv, chunk)
-
-
-def select_slots(layer_kv, chunk: Float[Array, "b n t h"], idx: Int[Array, "b n c"]):
-    """A layer's keys or values holding, in slot i of each row and head, entry ``idx`` of
-    [its slots | the chunk's tokens] (score-based compression, jaxllm.evict.compress)."""
-    if not _is_store(layer_kv):
-        both = jnp.concatenate([layer_kv, chunk.astype(layer_kv.dtype)], axis=2)
-        return jnp.take_along_axis(both, idx[..., None], axis=2)
-    return layer_kv.select(chunk, idx)
+def write_layer(layer_kv, chunk: Float[Array, "b n t h"], lay: ChunkLayout):
+    """A layer's keys or values after the chunk is written into the sink slots and the ring
+    (write_chunk)."""
+    return stores.write(layer_kv, chunk, lay, lambda arr, rows: write_chunk(arr, rows, lay))
 
 
 class TokenView(NamedTuple):
@@ -478,9 +396,9 @@ def write_token(layer_kv, x: Float[Array, "b n 1 h"], lay: ChunkLayout):
     if isinstance(layer_kv, Bf16Bits):  # in place; attention.decode.attend_cache widens what it reads
         bits, read = write_token(layer_kv.bits, to_bits(x), lay)
         return layer_kv.replace(bits=bits), read
-    if _is_store(layer_kv):
+    if not isinstance(layer_kv, jax.Array):  # a quantized store: written, then decoded
         new = write_layer(layer_kv, x, lay)
-        read = read_layer(new, lay)
+        read = stores.read(new, lay)
         return new, read.reshape((-1,) + read.shape[2:])
     B, n, C, h = layer_kv.shape
     flat = layer_kv.reshape(B * n, C, h)

@@ -178,8 +178,9 @@ def _temp_bytes(fn, *args) -> int:
 
 @pytest.mark.parametrize("form,bound", [("blockwise", 4.6), ("materialised", None)])
 def test_temporaries_grow_linearly_with_the_prompt(form, bound, monkeypatch):
-    """XLA's compile-time accounting (abstract arrays, nothing allocated) of a plain forward
-    (training's) and of a prefill through a StreamingLLM cache, at T and 4T tokens, blocks of
+    """XLA's compile-time accounting (abstract arrays, nothing allocated) of a plain forward,
+    of its gradient (training's) and of a prefill through a StreamingLLM cache, at T and 4T
+    tokens, blocks of
     blocks of 2^14 scores: blockwise, 4x the tokens take at most about 4x the temporaries;
     the materialised scores take about 16x, and 6x through the cache, T x (S + W + T) with a
     window of 4T (the check that the measurement sees the quadratic term)."""
@@ -191,15 +192,19 @@ def test_temporaries_grow_linearly_with_the_prompt(form, bound, monkeypatch):
     B, T = 2, 256
     toks = lambda t: jax.ShapeDtypeStruct((B, t), jnp.int32)
     plain = [_temp_bytes(lambda p, x: apply(p, cfg, x)[0], params, toks(t)) for t in (T, 4 * T)]
+    loss = lambda p, x: apply(p, cfg, x)[0].mean()  # noqa: E731
+    grad = [_temp_bytes(jax.grad(loss), params, toks(t)) for t in (T, 4 * T)]
     cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, B, sinks=4, window=4 * T))
     lens = jax.ShapeDtypeStruct((B,), jnp.int32)
     prefill = [_temp_bytes(lambda p, x, c, n: apply(p, cfg, x, c, n, last_only=True)[0],
                            params, toks(t), cache, lens) for t in (T, 4 * T)]
     if bound is None:  # T x T, and T x (S + W + T) with W = 4T
         assert plain[1] / plain[0] > 10 and prefill[1] / prefill[0] > 5, (plain, prefill)
+        assert grad[1] / grad[0] > 10, grad
     else:
         assert plain[1] / plain[0] < bound, plain
         assert prefill[1] / prefill[0] < bound, prefill
+        assert grad[1] / grad[0] < bound, grad
 
 
 SMOLLM2 = jaxllm.ModelConfig.llama(vocab_size=49152, hidden_size=576, num_layers=2, num_heads=9,

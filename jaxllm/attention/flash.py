@@ -119,21 +119,22 @@ def finish(state: State) -> Float[Array, "b t h d"]:
 
 
 def attend(segments: list[Segment], slopes: Optional[Float[Array, " h"]] = None,
-           zero_sink: bool = False, choice: Optional[str] = None
+           zero_sink: bool = False, choice: Optional[str] = None, threaded: bool = False
            ) -> tuple[Float[Array, "b t h d"], list[tuple[Array, Array]]]:
     """softmax over all segments' keys of q·k / sqrt(Dh) (- ALiBi's slope x distance), times the
     values -> (out [B, T, H, Dh] float32, every segment's (k, v) as it came out of the loops).
     ``slopes`` [H]: ALiBi (None: no bias).
 
-    Write into the returned k and v, not the ones passed in: the blockwise form's loops carry
-    them through, and an array that a loop reads and something writes after it is copied by
-    XLA first (a whole cache layer, twice, per layer of a prefill block)."""
+    ``threaded`` (for a cache's chunk, which is not differentiated): write into the returned k
+    and v, not the ones passed in. The blockwise form's loops then carry them through: an array
+    that a loop reads and something writes after it is copied by XLA first (a whole cache
+    layer, twice, per layer of a prefill block)."""
     b = backend(choice)
     if b == "materialised":
         return reference(segments, slopes, zero_sink), [(seg.k, seg.v) for seg in segments]
     if b == "pallas":
         return _by_kernel(segments, slopes, zero_sink), [(seg.k, seg.v) for seg in segments]
-    return blockwise(segments, slopes, zero_sink)
+    return blockwise(segments, slopes, zero_sink, threaded)
 
 
 def _by_kernel(segments: list[Segment], slopes, zero_sink: bool) -> Float[Array, "b t h d"]:
@@ -223,23 +224,31 @@ def block_sizes(B: int, H: int, T: int, L: int) -> tuple[int, int]:
     return min(T, side), min(L, side)
 
 
-def blockwise(segments: list[Segment], slopes=None, zero_sink: bool = False
-              ) -> tuple[Float[Array, "b t h d"], list[tuple[Array, Array]]]:
+def blockwise(segments: list[Segment], slopes=None, zero_sink: bool = False,
+              threaded: bool = False) -> tuple[Float[Array, "b t h d"], list[tuple[Array, Array]]]:
     """The jnp form: for each block of queries, every segment's keys a block at a time into
     one running state, then the block's output. The largest temporaries are a block of scores
     and the output, never [T, L]. Returns what :func:`attend` does.
 
     A block that would run past the end starts earlier instead (no padding copies of the
     cache): its keys seen in the block before are masked, its queries done before are kept.
+
+    Two loop forms. ``threaded`` (a cache's chunk, never differentiated): the keys and values
+    ride through both loops' carries and come back out, so a write after them is in place
+    (:func:`attend`'s note). Otherwise (a plain forward, which training differentiates): a scan
+    over query blocks whose body is checkpointed, so a gradient keeps one block index per query
+    block and recomputes the rest; carried keys would be kept once per block.
     """
     B, T, H, Dh = segments[0].q.shape
     KVH = segments[0].k.shape[1]
     G = H // KVH
     bq = block_sizes(B, H, T, 1)[0]
+    nq = -(-T // bq)
 
     def key_block(j, carry, seg: Segment, bk: int, q, q_pos):
-        m, l, acc, kv = carry  # [B, KVH, G, bq], the same, [B, KVH, G, bq, Dh], (k, v)
-        seg = seg._replace(k=kv[0], v=kv[1])
+        m, l, acc = carry[:3]  # [B, KVH, G, bq], the same, [B, KVH, G, bq, Dh]
+        if len(carry) == 4:  # threaded: this segment's (k, v) in the carry
+            seg = seg._replace(k=carry[3][0], v=carry[3][1])
         L = seg.k.shape[2]
         start = jnp.minimum(j * bk, L - bk)
         k, v = seg.keys(start, bk)
@@ -253,10 +262,10 @@ def blockwise(segments: list[Segment], slopes=None, zero_sink: bool = False
         p = jnp.exp(s - m_new[..., None])
         fix = jnp.exp(m - m_new)
         pv = jnp.einsum("bkgqs,bksd->bkgqd", p, v)
-        return m_new, l * fix + p.sum(-1), acc * fix[..., None] + pv, kv
+        return (m_new, l * fix + p.sum(-1), acc * fix[..., None] + pv) + tuple(carry[3:])
 
-    def query_block(i, carry):
-        out, kvs = carry
+    def block_out(i, kvs):
+        """Query block i against every segment -> (o [B, bq, H, Dh], the (k, v) carried)."""
         start = jnp.minimum(i * bq, T - bq)
         m0 = 0.0 if zero_sink else NEG_INF  # softmax-off-by-one: a virtual key, score 0
         state = (jnp.full((B, KVH, G, bq), m0, jnp.float32),
@@ -271,19 +280,31 @@ def blockwise(segments: list[Segment], slopes=None, zero_sink: bool = False
             q = seg.queries(start, bq).reshape(B, bq, KVH, G, Dh)
             q_pos = jax.lax.dynamic_slice_in_dim(seg.q_pos, start, bq, axis=1)
             bk = block_sizes(B, H, bq, L)[1]
-            # Checkpointed: a gradient (training) keeps each block's running state, and
-            # recomputes its scores, instead of keeping them all.
+            # Checkpointed: a gradient keeps each key block's running state and recomputes
+            # its scores, instead of keeping them all.
             body = jax.checkpoint(lambda j, c, seg=seg, bk=bk, q=q, q_pos=q_pos:
                                   key_block(j, c, seg, bk, q, q_pos))
-            *state, kv = jax.lax.fori_loop(0, -(-L // bk), body, (*state, kv))
-            new_kvs.append(kv)
+            out = jax.lax.fori_loop(0, -(-L // bk), body, state + ((kv,) if threaded else ()))
+            state = out[:3]
+            new_kvs.append(out[3] if threaded else kv)
         m, l, acc = state
-        o = jnp.moveaxis(acc / l[..., None], 3, 1).reshape(B, bq, H, Dh)
-        done = (start + jnp.arange(bq) < i * bq)[None, :, None, None]
-        o = jnp.where(done, jax.lax.dynamic_slice_in_dim(out, start, bq, axis=1), o)
-        return jax.lax.dynamic_update_slice_in_dim(out, o, start, axis=1), tuple(new_kvs)
+        return jnp.moveaxis(acc / l[..., None], 3, 1).reshape(B, bq, H, Dh), tuple(new_kvs)
 
     kvs = tuple((seg.k, seg.v) for seg in segments)
-    out, kvs = jax.lax.fori_loop(0, -(-T // bq), query_block,
-                                 (jnp.zeros((B, T, H, Dh), jnp.float32), kvs))
-    return out, list(kvs)
+    if threaded:
+        def query_block(i, carry):
+            out, kvs = carry
+            start = jnp.minimum(i * bq, T - bq)
+            o, kvs = block_out(i, kvs)
+            done = (start + jnp.arange(bq) < i * bq)[None, :, None, None]
+            o = jnp.where(done, jax.lax.dynamic_slice_in_dim(out, start, bq, axis=1), o)
+            return jax.lax.dynamic_update_slice_in_dim(out, o, start, axis=1), kvs
+
+        out, kvs = jax.lax.fori_loop(0, nq, query_block,
+                                     (jnp.zeros((B, T, H, Dh), jnp.float32), kvs))
+        return out, list(kvs)
+    body = jax.checkpoint(lambda c, i: (c, block_out(i, kvs)[0]))
+    _, blocks = jax.lax.scan(body, None, jnp.arange(nq))  # [nq, B, bq, H, Dh]
+    # The last block started at T - bq: keep only its rows past the block before it.
+    head = jnp.moveaxis(blocks[:-1], 0, 1).reshape(B, (nq - 1) * bq, H, Dh)
+    return jnp.concatenate([head, blocks[-1][:, nq * bq - T:]], 1), list(kvs)

@@ -80,7 +80,7 @@ class Ring(NamedTuple):
                                          kvc.merge_sinks(sink_v, v, lay, S), lay.sink_q_pos,
                                          self.k_sink.pos, lay.sink_ok, None, self.q_sink,
                                          self.k_sink))
-        out, kvs = flash.attend(segs, sc.model_slopes(cfg), cfg.sink == "zero")
+        out, kvs = flash.attend(segs, sc.model_slopes(cfg), cfg.sink == "zero", threaded=True)
         # Written into the arrays the attention's loops hand back (flash.attend's note).
         ring_k, ring_v = kvs[-2]
         return out, (kvc.write_layer(_same_store(layer_cache[0], ring_k), k_new, lay),

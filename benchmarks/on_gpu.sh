@@ -10,9 +10,11 @@
 #   bash benchmarks/on_gpu.sh kernels   # compiled Pallas kernels (pytest -m gpu), int8 GEMM table
 #   bash benchmarks/on_gpu.sh bench     # decode tables at Llama-2-7B shapes: StreamingLLM vs
 #                                       # dense vs recompute, and the KV storage formats
+#   bash benchmarks/on_gpu.sh decode    # gpu_decode.py: KV formats at Llama-2-7B, 4+4092, b 1/8
+#   bash benchmarks/on_gpu.sh decode2   # gpu_decode.py: W8A8 / W8 weights, and transformers
 #   STEPS=N bash benchmarks/on_gpu.sh train   # the sink-token twins at the gpu-6m recipe
 set -u
-STAGE=${1:?stage: suite, kernels, bench or train}
+STAGE=${1:?stage: suite, kernels, decode, decode2, bench or train}
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
   | grep -oiE "[A-Z][0-9]{3}" | head -1 | tr 'A-Z' 'a-z')
 OUT=${OUT:-docs/gpu/$(date +%F)-${DEVICE:-gpu}}
@@ -51,6 +53,19 @@ kernels)
   timeout $(( $(left) - 10 )) $PY benchmarks/int8_matmul.py --models llama2-7b \
     > "$OUT/int8_matmul.log" 2>&1; tail -12 "$OUT/int8_matmul.log"
   ;;
+decode)
+  step "decode ms per step by KV format, llama2-7b shapes, 4+4092 filled by the prompt"
+  timeout $(( $(left) - 10 )) $PY benchmarks/gpu_decode.py --out "$OUT" --batch 1,8 \
+    --kv bf16,int8,token-4,kivi-2 --weights bf16 > "$OUT/gpu_decode.log" 2>&1
+  tail -12 "$OUT/gpu_decode.log"
+  ;;
+decode2)
+  step "decode by weight format, and transformers' generate on the same GPU"
+  mkdir -p "$OUT/weights"
+  timeout $(( $(left) - 10 )) $PY benchmarks/gpu_decode.py --out "$OUT/weights" --batch 1,8 \
+    --kv bf16 --weights bf16,w8a8,w8 --transformers > "$OUT/gpu_decode_weights.log" 2>&1
+  tail -12 "$OUT/gpu_decode_weights.log"
+  ;;
 bench)
   step "decode latency, random:llama2-7b bfloat16, cache 4096: StreamingLLM, dense, recompute"
   timeout 240 $PY benchmarks/latency.py --model random:llama2-7b --sizes 4096 \
@@ -79,6 +94,6 @@ jaxllm.save_model(sys.argv[2], cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16
   done
   ls -la "$OUT"
   ;;
-*) echo "unknown stage $STAGE (suite, kernels, bench or train)"; exit 2;;
+*) echo "unknown stage $STAGE (suite, kernels, decode, decode2, bench or train)"; exit 2;;
 esac
 step done

@@ -1,4 +1,5 @@
 """The benchmarks time forms of one computation against each other: each form must compute it."""
+import json
 import os
 import re
 import sys
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import gpu_decode  # noqa: E402
 import kv_products  # noqa: E402
 import prefill_memory  # noqa: E402
 
@@ -153,3 +155,20 @@ def test_prefill_memory_prints_its_table(capsys, monkeypatch):
     prefill_memory.main()
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 x 64")]
     assert len(row) == 1 and float(row[0].split("|")[2]) > 0, row
+
+
+def test_gpu_decode_writes_its_records(tmp_path, monkeypatch, capsys):
+    """The accelerator decode benchmark, at a tiny preset on this CPU: one record per (weights,
+    KV format, batch) in decode.json with the fields the GPU sessions compare, each format's
+    cache measured from its arrays (int8 smaller than bfloat16), the table printed."""
+    monkeypatch.setattr(sys, "argv", ["gpu_decode.py", "--preset", "llama-tiny", "--window",
+                                      "28", "--batch", "1", "--steps", "2", "--kv", "bf16,int8",
+                                      "--weights", "bf16", "--out", str(tmp_path), "--no-record"])
+    gpu_decode.main()
+    recs = json.loads((tmp_path / "decode.json").read_text())
+    assert [r["kv"] for r in recs] == ["bfloat16", "int8 per token"]
+    keys = {"engine", "device", "weights", "kv", "batch", "cache", "prompt", "decode_ms",
+            "prefill_ms", "kv_bytes"}
+    assert all(keys <= set(r) and r["decode_ms"] > 0 and r["prompt"] == 32 for r in recs), recs
+    assert recs[1]["kv_bytes"] < recs[0]["kv_bytes"]
+    assert "| jaxllm | bf16 | int8 per token | 1 |" in capsys.readouterr().out

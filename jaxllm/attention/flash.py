@@ -45,7 +45,7 @@ class Segment(NamedTuple):
 
     Queries and keys may come unrotated with their RoPE tables (``q_rot``, ``k_rot``): the
     blockwise form rotates a block at a time, so a cache is never copied whole as rotated
-    float32 keys. ``k`` and ``v`` may be the uint16 bits of a bfloat16 cache (jaxllm.kv.cache's
+    float32 keys. ``k`` and ``v`` may be the uint16 bits of a bfloat16 cache (jaxllm.kv.stores'
     Bf16Bits), widened a block at a time. A rotation rounds to ``dtype`` (the stored keys'),
     as the materialised form rotates its bfloat16 keys in bfloat16.
     """

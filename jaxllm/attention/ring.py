@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
+from ..config import ModelConfig
 from ..kv import cache as kvc
 from ..kv import stores
-from ..config import ModelConfig
 from ..rope import Rotation, apply_rope, model_rotation
 from ..rope import rotation as plain_rotation
 from . import flash
@@ -64,7 +64,7 @@ class Ring(NamedTuple):
                          kvc.write_layer(layer_cache[1], v_new, lay)), None
         # Blockwise (jaxllm.attention.flash): the ring is read a block at a time, as stored
         # (a bfloat16 cache on CPU as its bits), and rotated a block at a time.
-        ck, cv = _blockwise_read(ck, lay), _blockwise_read(cv, lay)
+        ck, cv = stores.raw(ck, lay), stores.raw(cv, lay)
         W = C - S
         span = min(W, cfg.sliding_window) if cfg.sliding_window else W
         segs = [flash.Segment(q, ck, cv, lay.rest_q_pos, lay.ring_k_pos, lay.ring_ok, span,
@@ -83,23 +83,8 @@ class Ring(NamedTuple):
         out, kvs = flash.attend(segs, sc.model_slopes(cfg), cfg.sink == "zero", threaded=True)
         # Written into the arrays the attention's loops hand back (flash.attend's note).
         ring_k, ring_v = kvs[-2]
-        return out, (kvc.write_layer(_same_store(layer_cache[0], ring_k), k_new, lay),
-                     kvc.write_layer(_same_store(layer_cache[1], ring_v), v_new, lay)), None
-
-
-def _same_store(layer_kv, read):
-    """``layer_kv`` holding ``read``, what _blockwise_read gave for it (and a loop returned);
-    a quantized store's read is a dequantized copy, so the store stays as it is."""
-    if isinstance(layer_kv, stores.Bf16Bits):
-        return layer_kv.replace(bits=read)
-    return read if isinstance(layer_kv, jax.Array) else layer_kv
-
-
-def _blockwise_read(layer_kv, lay):
-    """A layer as the blockwise form reads it: a bfloat16 cache on CPU as its uint16 bits
-    (widened a block at a time; reading it whole would make a float32 copy), a quantized store
-    dequantized (jaxllm.kv.quantized), a float array as it is."""
-    return layer_kv.bits if isinstance(layer_kv, stores.Bf16Bits) else stores.read(layer_kv, lay)
+        return out, (kvc.write_layer(stores.holding(layer_cache[0], ring_k), k_new, lay),
+                     kvc.write_layer(stores.holding(layer_cache[1], ring_v), v_new, lay)), None
 
 
 def plan(cfg: ModelConfig, lay: kvc.ChunkLayout, B: int, T: int, sinks: int, freq,

@@ -130,3 +130,18 @@ def select(layer_kv, chunk: Float[Array, "b n t h"], idx: Int[Array, "b n c"]):
     """The layer holding, in slot i of each row and head, entry ``idx`` of [its slots | the
     chunk's tokens] (score-based compression, jaxllm.kv.evict.compress)."""
     return store(layer_kv).select(chunk, idx)
+
+
+def raw(layer_kv, lay):
+    """A layer as a blockwise reader takes it, a block at a time (jaxllm.attention.flash's
+    Segment): a bfloat16 cache on CPU as its uint16 bits (read whole, XLA:CPU would make a
+    float32 copy), a quantized store decoded, a float array as it is."""
+    return layer_kv.bits if isinstance(layer_kv, Bf16Bits) else read(layer_kv, lay)
+
+
+def holding(layer_kv, arr):
+    """``layer_kv`` holding ``arr``, what :func:`raw` gave for it after a loop carried it
+    through; a quantized store's raw form is a decoded copy, so the store stays as it is."""
+    if isinstance(layer_kv, Bf16Bits):
+        return layer_kv.replace(bits=arr)
+    return arr if isinstance(layer_kv, jax.Array) else layer_kv

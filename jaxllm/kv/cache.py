@@ -156,8 +156,8 @@ def _as_int(x, name: str) -> int:
 
 def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020, *,
                ring: bool = True, dtype=jnp.float32,
-               kv_quant: Optional[KVQuant] = None, evict_by: Optional[Evict] = None
-               ) -> KVCache:
+               kv_quant: Optional[KVQuant] = None, evict_by: Optional[Evict] = None,
+               **renamed) -> KVCache:
     """An empty cache of ``sinks + window`` slots per row.
 
     ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
@@ -170,6 +170,11 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
     window is then ``heavy + recent + 1`` (the extra slot takes each new token) and ``window``
     is ignored.
     """
+    if "evict" in renamed:
+        raise TypeError("init_cache's evict= is now ring=: ring=True (the default) keeps a "
+                        "ring (StreamingLLM, window), ring=False a dense cache")
+    if renamed:
+        raise TypeError(f"init_cache() got unexpected keyword arguments {sorted(renamed)}")
     if evict_by is not None:
         window = evict_by.heavy + evict_by.recent + 1
         if kv_quant is not None and kv_quant.format == "kivi":

@@ -291,9 +291,9 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
     def step(carry, xs):
         c, out = carry
         i, block, block_len = xs
-        # Tied to the step, so XLA keeps each weight's use in the loop: hoisted out of it as
-        # invariant, XLA:CPU's float32 copies of bfloat16 weights (it has no bfloat16
-        # products) were all alive at once, the whole model's worth.
+        # Tied to the step, so what XLA derives from a weight (a converted or dequantized copy)
+        # is made per block instead of hoisted out of the loop, where every layer's copy would
+        # be alive at once (docs/BENCHMARKS.md, prefill temporaries at compile time).
         p, _ = jax.lax.optimization_barrier((params, i))
         logits, c = _forward_chunk(p, cfg, block, c, block_len, last_only)
         if last_only:  # the last block holding a row's tokens has its last token

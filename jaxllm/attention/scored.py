@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
-from ..kv import stores
-from ..kv import evict
-from ..config import ModelConfig
-from ..rope import Rotation, model_rotation
 from pallas_kernels.reference import computed_once
+
+from ..config import ModelConfig
+from ..kv import evict, stores
+from ..rope import Rotation, model_rotation
 from . import flash
 from . import scores as mat
 

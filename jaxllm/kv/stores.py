@@ -134,8 +134,8 @@ def select(layer_kv, chunk: Float[Array, "b n t h"], idx: Int[Array, "b n c"]):
 
 def raw(layer_kv, lay):
     """A layer as a blockwise reader takes it, a block at a time (jaxllm.attention.flash's
-    Segment): a bfloat16 cache on CPU as its uint16 bits (read whole, XLA:CPU would make a
-    float32 copy), a quantized store decoded, a float array as it is."""
+    Segment): Bf16Bits as its uint16 bits (never widened whole), a quantized store decoded, a
+    float array as it is."""
     return layer_kv.bits if isinstance(layer_kv, Bf16Bits) else read(layer_kv, lay)
 
 

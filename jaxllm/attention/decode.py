@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..quant import QAttention, absmax_scale, in_widened_groups, pv, qk_scores, widen
 from ..rope import Rotation, apply_rope, model_rotation
 from . import scores as sc
+from . import stored
 
 
 class Decode(NamedTuple):
@@ -31,6 +32,8 @@ class Decode(NamedTuple):
     pick: Int[Array, "b c"]  # which of the three query positions scores each slot
     dist: Int[Array, "b c"]  # the in-cache distance that gives (ALiBi)
     store: Optional[Rotation] = None  # the token's key at its slot's position (keys_rotated)
+    sinks: int = 0
+    freq: Optional[Array] = None  # RoPE's inverse frequencies [B, r/2] (the kernel turns keys)
 
     def attend(self, q, k, v, layer_cache, cfg: ModelConfig, int8_att=None,
                keep_probs: bool = False):
@@ -41,6 +44,9 @@ class Decode(NamedTuple):
         ck, cv = layer_cache
         if self.store is not None:  # the cache keeps keys rotated at their slots' positions
             k = apply_rope(k, self.store, head_major=True)
+        if int8_att is None and stored.usable(cfg, ck, cv, self.keys.cos is not None):
+            nk, nv = kvc.write_layer(ck, k, self.lay), kvc.write_layer(cv, v, self.lay)
+            return stored.attend(q, nk, nv, self, cfg, self.sinks, self.freq), (nk, nv), None
         (nk, rk), (nv, rv) = kvc.write_token(ck, k, self.lay), kvc.write_token(cv, v, self.lay)
         return attend_cache(q, rk, rv, self, cfg, int8_att), (nk, nv), None
 
@@ -56,7 +62,8 @@ def plan(cfg: ModelConfig, lay: kvc.ChunkLayout, B: int, sinks: int, freq,
     k_pos = jnp.broadcast_to(view.k_pos, (B, C))
     keys = Rotation(k_pos) if keys_rotated else rotation(k_pos)
     return Decode(lay, rotation(view.q_pos), keys, mask, view.pick, view.dist,
-                  store=rotation(lay.store_pos) if keys_rotated else None)
+                  store=rotation(lay.store_pos) if keys_rotated else None, sinks=sinks,
+                  freq=freq)
 
 
 def step_probs(s, pick, mask, dist, cfg: ModelConfig, slopes=None):

@@ -254,6 +254,18 @@ class QStore(_Slots):
         S = self.sinks.shape[2]
         return jnp.concatenate([self.sinks, x[:, :, S:]], axis=2) if S else x
 
+    def slots(self):
+        """(pallas_kernels.decode.Layout, arrays [B·KVH, S+W, ...]) as the decode kernel reads
+        them; None for the clamped zero-point (its own dequantization formula)."""
+        from pallas_kernels.decode import Layout
+        if self.spec.zero_point != "float":
+            return None
+        flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
+        if self.spec.format == "int8":
+            return Layout("int8", 8), (flat(self.codes), flat(self.scale))
+        return (Layout("token", self.spec.bits, self.spec.group),
+                (flat(self.codes), flat(self.scale), flat(self.offset)))
+
     def stored(self, chunk: Float[Array, "b n t h"]) -> Float[Array, "b n t h"]:
         """What the ring returns for ``chunk`` once written (quantized and dequantized)."""
         return roundtrip(chunk.astype(jnp.float32), self.spec, self.dtype)

@@ -132,6 +132,30 @@ def select(layer_kv, chunk: Float[Array, "b n t h"], idx: Int[Array, "b n c"]):
     return store(layer_kv).select(chunk, idx)
 
 
+def slots(layer_kv):
+    """A layer as the stored-format decode kernel reads it (pallas_kernels.decode):
+    ``(Layout, arrays [B·n, C, ...])``, or None for a store it cannot read. A bfloat16 cache's
+    bits (on CPU, where the kernel only runs interpreted, in tests) are viewed as bfloat16."""
+    from pallas_kernels.decode import Layout
+    if isinstance(layer_kv, Bf16Bits):
+        layer_kv = layer_kv.read()
+    if isinstance(layer_kv, jax.Array):
+        return Layout("float"), (layer_kv.reshape((-1,) + layer_kv.shape[2:]),)
+    view = getattr(layer_kv, "slots", None)
+    return view() if view is not None else None
+
+
+def sinks(layer_kv, S: int) -> Float[Array, "b n s h"]:
+    """The layer's first ``S`` slots in full precision: a float cache's own slots, a quantized
+    store's full-precision copy of them."""
+    if isinstance(layer_kv, Bf16Bits):
+        layer_kv = layer_kv.read()
+    if isinstance(layer_kv, jax.Array):
+        return layer_kv[:, :, :S]
+    held = getattr(layer_kv, "sinks", None)
+    return held if held is not None else layer_kv.store.sinks
+
+
 def raw(layer_kv, lay):
     """A layer as a blockwise reader takes it, a block at a time (jaxllm.attention.flash's
     Segment): Bf16Bits as its uint16 bits (never widened whole), a quantized store decoded, a

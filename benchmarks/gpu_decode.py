@@ -11,9 +11,14 @@ temporaries (from the device's memory limit and XLA's compile-time accounting of
 estimate, marked as such). ``--transformers`` adds transformers' LlamaForCausalLM in bfloat16 on
 the same device: its default generate, and a static cache with ``torch.compile``.
 
-Every record also goes to ``<out>/decode.json``: a list of {engine, device, weights, kv, batch,
-cache, prompt, decode_ms, prefill_ms, kv_bytes, max_batch_estimate}, written after each row, so
-a run cut short keeps what it measured.
+``--attention pallas,blockwise`` runs the KV rows by each attention form in one process: the
+kernel that reads the cache as stored (pallas_kernels.decode) and the XLA form that decodes it
+first (``$JAXLLM_ATTENTION``, jaxllm.attention.flash.backend; the compiled programs are dropped
+between forms, so each traces its own).
+
+Every record also goes to ``<out>/decode.json``: a list of {engine, device, weights, kv,
+attention, batch, cache, prompt, decode_ms, prefill_ms, kv_bytes, max_batch_estimate}, written
+after each row, so a run cut short keeps what it measured.
 
     python benchmarks/gpu_decode.py --out docs/gpu/2026-11-26-h100 --transformers
     python benchmarks/gpu_decode.py --preset llama-tiny --window 60 --batch 1 --steps 4  # smoke
@@ -39,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm import smoothquant as sq  # noqa: E402
+from jaxllm.attention import flash  # noqa: E402
 from jaxllm.kv.cache import kv_bytes  # noqa: E402
 from jaxllm.kv.quantized import KVQuant  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
@@ -176,6 +182,9 @@ def main() -> None:
     ap.add_argument("--weights", default="bf16,w8a8,w8",
                     help="of " + ", ".join(WEIGHT_FORMATS) + "; w8a8 and w8 run with a bf16 cache")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--attention", default="auto",
+                    help="attention forms for the KV rows, comma-separated: auto, pallas, "
+                         "blockwise (jaxllm.attention.flash.BACKENDS)")
     ap.add_argument("--transformers", action="store_true")
     ap.add_argument("--out", default="", help="folder for decode.json (default: none written)")
     ap.add_argument("--no-record", action="store_true")
@@ -204,37 +213,47 @@ def main() -> None:
             with open(path, "w") as f:
                 json.dump(records, f, indent=1)
 
+    forms = a.attention.split(",")
+    for form in forms:
+        if form not in flash.BACKENDS:
+            raise SystemExit(f"unknown --attention {form!r}; choose from "
+                             f"{', '.join(flash.BACKENDS)}")
     for wname in a.weights.split(","):
         cfg, params = weights(wname, cfg0, params0)
-        for kname in a.kv.split(",") if wname == "bf16" else ["bf16"]:
-            for B in (int(b) for b in a.batch.split(",")):
-                try:
-                    row = jaxllm_row(cfg, params, KV_FORMATS[kname], B, a.sinks, a.window,
-                                     a.steps)
-                except ValueError as e:  # a format that refuses this cache (KIVI's residual)
-                    row = dict(engine="jaxllm", kv=kname, batch=B, prompt=a.sinks + a.window,
-                               decode_ms=None, prefill_ms=None, kv_bytes=None,
-                               max_batch_estimate=None, refused=str(e))
-                keep(dict(row, weights=wname))
+        for form in forms if wname == "bf16" else forms[:1]:
+            os.environ["JAXLLM_ATTENTION"] = form
+            jax.clear_caches()  # the form is chosen when a program is traced
+            for kname in a.kv.split(",") if wname == "bf16" else ["bf16"]:
+                for B in (int(b) for b in a.batch.split(",")):
+                    try:
+                        row = jaxllm_row(cfg, params, KV_FORMATS[kname], B, a.sinks, a.window,
+                                         a.steps)
+                    except ValueError as e:  # a format that refuses this cache
+                        row = dict(engine="jaxllm", kv=kname, batch=B,
+                                   prompt=a.sinks + a.window, decode_ms=None, prefill_ms=None,
+                                   kv_bytes=None, max_batch_estimate=None, refused=str(e))
+                    keep(dict(row, weights=wname, attention=flash.backend()))
         del params
     if a.transformers:
         for B in (int(b) for b in a.batch.split(",")):
             for rec in transformers_rows(cfg0, B, a.sinks + a.window, a.steps):
-                keep(dict(rec, weights="bf16"))
-    base = {r["batch"]: r["decode_ms"] for r in records
+                keep(dict(rec, weights="bf16", attention="-"))
+    # "vs bf16 cache": against the bfloat16 cache's row at the same batch and attention form.
+    base = {(r["batch"], r["attention"]): r["decode_ms"] for r in records
             if r["engine"] == "jaxllm" and r["weights"] == "bf16" and r["kv"] == "bfloat16"}
-    lines = ["| engine | weights | KV | batch | prefill ms | decode ms/step | vs bf16 cache | "
-             "KV MiB | max batch (est.) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| engine | weights | KV | attention | batch | prefill ms | decode ms/step | "
+             "vs bf16 cache | KV MiB | max batch (est.) |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in records:
+        head = f"| {r['engine']} | {r['weights']} | {r['kv']} | {r['attention']} | {r['batch']} |"
         if r["decode_ms"] is None:
-            lines.append(f"| {r['engine']} | {r['weights']} | {r['kv']} | {r['batch']} | "
-                         f"refused: {r['refused']} | | | | |")
+            lines.append(f"{head} refused: {r['refused']} | | | | |")
             continue
-        rel = f"{r['decode_ms'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
+        b = base.get((r["batch"], r["attention"]))
+        rel = f"{r['decode_ms'] / b:.2f}x" if b else "-"
         mib = "-" if r["kv_bytes"] is None else f"{r['kv_bytes'] / 2 ** 20:.1f}"
         fits = "-" if r["max_batch_estimate"] is None else str(r["max_batch_estimate"])
-        lines.append(f"| {r['engine']} | {r['weights']} | {r['kv']} | {r['batch']} | "
-                     f"{r['prefill_ms']} | {r['decode_ms']} | {rel} | {mib} | {fits} |")
+        lines.append(f"{head} {r['prefill_ms']} | {r['decode_ms']} | {rel} | {mib} | {fits} |")
     record(f"Decode at {a.preset} shapes ({cfg0.num_layers} layers, random weights), "
            f"{cache_label} filled by the prompt, {device}", "\n".join(lines), dry=a.no_record)
 

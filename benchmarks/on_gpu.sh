@@ -10,7 +10,8 @@
 #   bash benchmarks/on_gpu.sh kernels   # compiled Pallas kernels (pytest -m gpu), int8 GEMM table
 #   bash benchmarks/on_gpu.sh bench     # decode tables at Llama-2-7B shapes: StreamingLLM vs
 #                                       # dense vs recompute, and the KV storage formats
-#   bash benchmarks/on_gpu.sh decode    # gpu_decode.py: KV formats at Llama-2-7B, 4+4092, b 1/8
+#   bash benchmarks/on_gpu.sh decode    # gpu_decode.py: KV formats at Llama-2-7B, 4+4092, b 1/8,
+#                                       # by the stored-format kernel and by the XLA form
 #   bash benchmarks/on_gpu.sh decode2   # gpu_decode.py: W8A8 / W8 weights, and transformers
 #   STEPS=N bash benchmarks/on_gpu.sh train   # the sink-token twins at the gpu-6m recipe
 set -u
@@ -56,7 +57,8 @@ kernels)
 decode)
   step "decode ms per step by KV format, llama2-7b shapes, 4+4092 filled by the prompt"
   timeout $(( $(left) - 10 )) $PY benchmarks/gpu_decode.py --out "$OUT" --batch 1,8 \
-    --kv bf16,int8,token-4,kivi-2 --weights bf16 > "$OUT/gpu_decode.log" 2>&1
+    --kv bf16,int8,token-4,kivi-2 --weights bf16 --attention pallas,blockwise \
+    > "$OUT/gpu_decode.log" 2>&1
   tail -12 "$OUT/gpu_decode.log"
   ;;
 decode2)

@@ -148,8 +148,8 @@ KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in f
            "none (float); int8 (per token, symmetric: --kv-quant int8); token (k-bit per token "
            "in groups of --kv-group channels with a float minimum: --kv-quant token --kv-bits "
            "4); kivi (keys per channel in groups of --kv-group tokens, values per token, the "
-           "last --kv-residual tokens in full precision: --kv-quant kivi --kv-bits 2; the "
-           "window must be a multiple of --kv-residual)")
+           "last --kv-residual tokens in full precision: --kv-quant kivi --kv-bits 2; any "
+           "window)")
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -233,8 +233,6 @@ def check_streamable(cfg, pc, n_tokens: int = 0) -> None:
             from None
     try:
         pc.kv_quant.check(cfg.head_dim)
-        if pc.method in ("window", "streaming"):
-            pc.kv_quant.check_window(pc.window)
     except ValueError as e:
         raise CliError(flag_names(e)) from None
 

@@ -199,9 +199,6 @@ class CachePolicy:
         if self.method == "recompute":
             raise ValueError("recompute re-runs the model on every window: it keeps no cache")
         if self.method == "dense":
-            if self.kv_quant.format == "kivi":  # KIVI's key blocks must tile the cache
-                R = self.kv_quant.residual
-                n_tokens = -(-n_tokens // R) * R
             return init_cache(cfg, batch, sinks=0, window=n_tokens, ring=False, dtype=dtype,
                               kv_quant=self.kv_quant)
         if self.method in SCORED:

@@ -163,12 +163,14 @@ def test_gpu_decode_writes_its_records(tmp_path, monkeypatch, capsys):
     cache measured from its arrays (int8 smaller than bfloat16), the table printed."""
     monkeypatch.setattr(sys, "argv", ["gpu_decode.py", "--preset", "llama-tiny", "--window",
                                       "28", "--batch", "1", "--steps", "2", "--kv", "bf16,int8",
-                                      "--weights", "bf16", "--out", str(tmp_path), "--no-record"])
+                                      "--weights", "bf16", "--attention", "blockwise", "--out",
+                                      str(tmp_path), "--no-record"])
     gpu_decode.main()
     recs = json.loads((tmp_path / "decode.json").read_text())
     assert [r["kv"] for r in recs] == ["bfloat16", "int8 per token"]
-    keys = {"engine", "device", "weights", "kv", "batch", "cache", "prompt", "decode_ms",
-            "prefill_ms", "kv_bytes"}
+    keys = {"engine", "device", "weights", "kv", "attention", "batch", "cache", "prompt",
+            "decode_ms", "prefill_ms", "kv_bytes"}
+    assert {r["attention"] for r in recs} == {"blockwise"}
     assert all(keys <= set(r) and r["decode_ms"] > 0 and r["prompt"] == 32 for r in recs), recs
     assert recs[1]["kv_bytes"] < recs[0]["kv_bytes"]
     assert "| jaxllm | bf16 | int8 per token | 1 |" in capsys.readouterr().out

@@ -90,39 +90,41 @@ LLAMA = jaxllm.ModelConfig.llama(vocab_size=64, hidden_size=64, num_layers=2, nu
                                  num_kv_heads=1, intermediate_size=48)  # head dim 32, GQA 2
 MPT = dataclasses.replace(NEOX, family="mpt", pos_emb="alibi", norm_bias=False, attn_bias=False,
                           mlp_bias=False, rotary_pct=0.0)
-STEPS = {  # model, cache dtype, KV quantization
-    "llama GQA, bfloat16 (keys stored rotated)": (LLAMA, jnp.bfloat16, None),
-    "llama, 2-bit groups of 16 (keys turned in the kernel)": (LLAMA, jnp.float32,
-                                                              kq.KVQuant("token", 2, 16)),
+STEPS = {  # model, cache dtype, KV quantization, window
+    "llama GQA, bfloat16 (keys stored rotated)": (LLAMA, jnp.bfloat16, None, 13),
+    "llama, 2-bit groups of 16 (keys turned in the kernel)": (
+        LLAMA, jnp.float32, kq.KVQuant("token", 2, 16), 13),
     "ALiBi + softmax-off-by-one, int8": (dataclasses.replace(MPT, sink="zero"), jnp.float32,
-                                         kq.KVQuant("int8", 8)),
+                                         kq.KVQuant("int8", 8), 13),
+    "KIVI-2, R = 16 not dividing the window 21": (LLAMA, jnp.float32,
+                                                 kq.KVQuant("kivi", 2, 16, residual=16), 21),
 }
 
 
 @pytest.mark.parametrize("case", STEPS)
 def test_decode_steps_through_the_kernel_equal_the_xla_form(case, monkeypatch):
-    """Prefill two rows of different lengths, then decode until a 2 + 13 ring has wrapped: the
-    kernel's logits (interpreted) are the XLA form's (jaxllm.attention.decode), to float32
-    rounding, for a cache of every kind of key (rotated when stored, turned in the kernel, no
-    RoPE) and storage."""
-    cfg, dtype, kvq = STEPS[case]
+    """Prefill two rows of different lengths, then decode until the 2 + W ring has wrapped: the
+    kernel's logits (interpreted) are the XLA form's (jaxllm.attention.decode; KIVI's, which
+    reads before it writes: jaxllm.attention.ring), to float32 rounding, for a cache of every
+    kind of key (rotated when stored, turned in the kernel, no RoPE) and storage."""
+    cfg, dtype, kvq, window = STEPS[case]
     import pallas_kernels.decode as kernel
     calls = []
     monkeypatch.setattr(kernel, "partials", lambda *a, _f=kernel.partials, **k: (
         calls.append(1), _f(*a, **k))[1])
     params = jaxllm.init_params(cfg, jax.random.key(0))
-    toks = jax.random.randint(jax.random.key(1), (2, 24), 0, cfg.vocab_size)
+    toks = jax.random.randint(jax.random.key(1), (2, window + 11), 0, cfg.vocab_size)
 
     def run(form):
         monkeypatch.setenv("JAXLLM_ATTENTION", form)
-        cache = kvc.init_cache(cfg, 2, sinks=2, window=13, dtype=dtype, kv_quant=kvq)
+        cache = kvc.init_cache(cfg, 2, sinks=2, window=window, dtype=dtype, kv_quant=kvq)
         cache = apply(params, cfg, toks[:, :15], cache, jnp.array([15, 9], jnp.int32))[1]
         step = jax.jit(lambda c, t: apply(params, cfg, t, c, jnp.ones((2,), jnp.int32)))
 
         def body(c, t):
             lg, c = step(c, t[:, None])
             return c, lg[:, 0]
-        return np.asarray(jax.lax.scan(body, cache, toks[:, 15:].T)[1])
+        return np.asarray(jax.lax.scan(body, cache, toks[:, 15:].T)[1])  # to wrap past W
     want, got = run("blockwise"), run("pallas")
     assert calls, "the kernel was not used"
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
@@ -166,3 +168,23 @@ def test_kernel_lowers_for_gpu_and_tpu_at_shipped_shapes(model, platform):
                                 S((B, C), jnp.int32), S((B, D // 2), jnp.float32)).lower(
             lowering_platforms=(platform,)).as_text()
         assert ("__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call") in text
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "int8", "kivi-2"])
+def test_decode_step_lowers_for_gpu_with_the_kernel(kv, monkeypatch):
+    """A whole decode step of Llama-2-7B shapes (2 layers) on a 4 + 4092 cache at batch 8, as
+    benchmarks/gpu_decode.py runs it, lowers for CUDA with the stored-format kernel in it
+    (KIVI too: R = 32 does not divide 4092)."""
+    monkeypatch.setenv("JAXLLM_ATTENTION", "pallas")
+    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2)
+    kvq = {"bfloat16": None, "int8": kq.KVQuant("int8", 8),
+           "kivi-2": kq.KVQuant("kivi", 2, 32, residual=32)}[kv]
+    params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
+    cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, 8, sinks=4, window=4092,
+                                                     dtype=jnp.bfloat16, kv_quant=kvq))
+    step = jax.jit(lambda p, t, c, n: apply(p, cfg, t, c, n)).trace(
+        params, jax.ShapeDtypeStruct((8, 1), jnp.int32), cache,
+        jax.ShapeDtypeStruct((8,), jnp.int32))
+    text = step.lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text  # (one call: the layers are a scan)

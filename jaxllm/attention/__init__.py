@@ -3,7 +3,9 @@ rotation tables, masks, shared by every layer) and the plan attends:
 
 * :mod:`.plain` -- no cache: a causal forward (training, scoring);
 * :mod:`.ring` -- a chunk through a sink + ring (StreamingLLM, window) or dense cache;
-* :mod:`.decode` -- one token per row against the whole cache after its write;
+* :mod:`.decode` -- one token per row against the whole cache after its write (:mod:`.stored`:
+  by the kernel that reads the cache as stored);
+* :mod:`.kivi` -- a KIVI decode step, which reads before it writes;
 * :mod:`.scored` -- H2O / Q-Hitter caches, which keep the attention paid to each key.
 
 The plain and ring forms attend blockwise (:mod:`.flash`: an online softmax over key blocks,
@@ -17,10 +19,10 @@ from typing import Union
 
 from ..kv import evict
 from ..config import ModelConfig
-from . import decode, flash, plain, ring, scored
+from . import decode, flash, kivi, plain, ring, scored
 from .scores import alibi_slopes
 
-Plan = Union[plain.Plain, ring.Ring, decode.Decode, scored.Scored]
+Plan = Union[plain.Plain, ring.Ring, decode.Decode, kivi.KiviDecode, scored.Scored]
 
 
 def plan(cfg: ModelConfig, lay, B: int, T: int, sinks: int, freq, write_first: bool = True,
@@ -35,6 +37,8 @@ def plan(cfg: ModelConfig, lay, B: int, T: int, sinks: int, freq, write_first: b
         return scored.plan(cfg, lay, B, T, freq)
     if T == 1 and write_first:
         return decode.plan(cfg, lay, B, sinks, freq, keys_rotated)
+    if T == 1:  # a store that reads before it writes: KIVI
+        return kivi.plan(cfg, lay, B, sinks, freq)
     return ring.plan(cfg, lay, B, T, sinks, freq, keys_rotated)
 
 

@@ -58,11 +58,12 @@ def block_for(k_layout: kernel.Layout, C: int) -> int:
     return b
 
 
-def run_kernel(q, layer_k, layer_v, pick, dist, slopes, rope):
-    """pallas_kernels.decode.partials over the layers' slots, split for the device, the splits
-    merged: (m, l [N, G], acc [N, G, D]) in the natural channel order. The program's platform
-    picks the lowering (Triton on GPU, Mosaic on TPU, else Triton interpreted: tests)."""
-    (kl, karr), (vl, varr) = stores.slots(layer_k), stores.slots(layer_v)
+def partials(q, kl: kernel.Layout, karr: tuple, vl: kernel.Layout, varr: tuple, pick, dist,
+             slopes, rope):
+    """pallas_kernels.decode.partials over stored slots (q [N, Rq, G, D] in the natural
+    channel order, scaled), split for the device, the splits merged: (m, l [N, G],
+    acc [N, G, D]) in the natural channel order. The program's platform picks the lowering
+    (Triton on GPU, Mosaic on TPU, else Triton interpreted: tests)."""
     N, C = karr[0].shape[:2]
     bk = block_for(kl, C)
     splits = max(1, min(-(-C // bk), -(-TARGET_PROGRAMS // N)))
@@ -138,8 +139,9 @@ def attend(q, layer_k, layer_v, plan, cfg: ModelConfig, sinks: int, freq):
     if plan.keys.cos is not None:  # keys stored before RoPE: ring slot s at s - S - W
         scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_scale
         turn = kernel.Rope(freq, -C, scale)
-    parts = [run_kernel(qr[:, 1:] if rope else qr, layer_k, layer_v, pick,
-                        plan.dist if alibi else None, slopes, turn)]
+    (kl, karr), (vl, varr) = stores.slots(layer_k), stores.slots(layer_v)
+    parts = [partials(qr[:, 1:] if rope else qr, kl, karr, vl, varr, pick,
+                      plan.dist if alibi else None, slopes, turn)]
     if S:
         ks, vs = stores.sinks(layer_k, S), stores.sinks(layer_v, S)  # [B, KVH, S, Dh]
         if plan.keys.cos is not None:

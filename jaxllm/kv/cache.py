@@ -62,7 +62,8 @@ from ..config import ModelConfig
 from .evict import Evict, empty_scores
 from ..quant import to_bits
 from . import stores
-from .quantized import KVQuant, empty_kivi, empty_store
+from .kivi import empty_kivi
+from .quantized import KVQuant, empty_store
 from .stores import Bf16Bits
 
 
@@ -208,7 +209,6 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
                            cfg.head_dim, dtype)
 
     kv_quant.check(cfg.head_dim)  # bad settings are named before any allocation
-    kv_quant.check_window(window)
     need = cfg.num_layers * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
         jax.eval_shape(lambda: (layer(), layer(True)))))
     have = available_bytes()

@@ -152,8 +152,7 @@ def sinks(layer_kv, S: int) -> Float[Array, "b n s h"]:
         layer_kv = layer_kv.read()
     if isinstance(layer_kv, jax.Array):
         return layer_kv[:, :, :S]
-    held = getattr(layer_kv, "sinks", None)
-    return held if held is not None else layer_kv.store.sinks
+    return layer_kv.sinks
 
 
 def raw(layer_kv, lay):

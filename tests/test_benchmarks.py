@@ -173,4 +173,4 @@ def test_gpu_decode_writes_its_records(tmp_path, monkeypatch, capsys):
     assert {r["attention"] for r in recs} == {"blockwise"}
     assert all(keys <= set(r) and r["decode_ms"] > 0 and r["prompt"] == 32 for r in recs), recs
     assert recs[1]["kv_bytes"] < recs[0]["kv_bytes"]
-    assert "| jaxllm | bf16 | int8 per token | 1 |" in capsys.readouterr().out
+    assert "| jaxllm | bf16 | int8 per token | blockwise | 1 |" in capsys.readouterr().out

@@ -64,7 +64,7 @@ decode)
 decode2)
   step "decode by weight format, and transformers' generate on the same GPU"
   mkdir -p "$OUT/weights"
-  timeout $(( $(left) - 10 )) $PY benchmarks/gpu_decode.py --out "$OUT/weights" --batch 1,8 \
+  timeout $(( $(left) - 10 )) $PY benchmarks/gpu_decode.py --out "$OUT/weights" --batch 1,8,32 \
     --kv bf16 --weights bf16,w8a8,w8 --transformers > "$OUT/gpu_decode_weights.log" 2>&1
   tail -12 "$OUT/gpu_decode_weights.log"
   ;;

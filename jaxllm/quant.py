@@ -280,6 +280,13 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
     """
     lead, (n_out, n_in) = x.shape[:-1], q.shape
     cpu = jax.default_backend() == "cpu"
+    if (q.dtype == jnp.int8 and jnp.dtype(dtype) == jnp.bfloat16
+            and pallas_kernels.resolve_backend() == "triton"
+            and x.size // n_in <= pallas_kernels.rows.MAX_ROWS):
+        # Decode on a GPU: the split-K kernel reads the int8 weight once, converting it in
+        # registers (the same bfloat16 x int8 products summed in float32 as the form below).
+        y = pallas_kernels.w8_matmul(x.reshape(-1, n_in), q, scale)
+        return y.reshape(*lead, n_out).astype(dtype)
     compute = jnp.float32 if cpu else dtype
     x2 = x.reshape(-1, n_in).astype(dtype).astype(compute)  # rounded to dtype, then widened
     m = x2.shape[0]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from . import cpu
 from . import matmul as _k
-from . import reference
+from . import reference, rows
 from .matmul import Blocks, default_blocks
 
 BACKENDS = ("xla", "cpu", "triton", "tpu")
@@ -62,9 +62,13 @@ def w8a8_matmul_per_token(x, w, sw, bias=None, out_dtype=jnp.float32, *,
     row to int8 with its own absmax scale (``reference.quantize_per_token``), then
     y [M, N] = (q · wᵀ) · sx · sw (+ bias). On ``cpu`` at few rows one kernel call does both,
     exactly (the same scales and int8 rows; :func:`cpu.int8_rows_token`); decode then runs no
-    separate XLA loops for the quantization."""
+    separate XLA loops for the quantization. On ``triton`` at few rows (decode), the split-K
+    kernel :func:`rows.int8_rows` quantizes the rows as it reads them (the same numbers)."""
     b = resolve_backend(backend)
     x = jnp.asarray(x, jnp.float32)
+    if b == "triton" and x.shape[0] <= rows.MAX_ROWS and blocks is None:
+        return rows.int8_rows(x, w, sw, bias, mode="w8a8", out_dtype=out_dtype,
+                              interpret=interpret)
     if b == "cpu" and cpu.use_for(x.shape[0], x.shape[1]):
         def by_xla(x, w):
             q, sx = reference.quantize_per_token(x)
@@ -75,6 +79,16 @@ def w8a8_matmul_per_token(x, w, sw, bias=None, out_dtype=jnp.float32, *,
     q, sx = reference.quantize_per_token(x)
     return w8a8_matmul(q, w, sx, sw, bias, out_dtype, backend=b, interpret=interpret,
                        blocks=blocks)
+
+
+def w8_matmul(x, w, sw, out_dtype=jnp.float32, *, backend: Optional[str] = None,
+              interpret: bool = False):
+    """Weight-only y [M, N] = x [M, K] (rounded to bfloat16) · (w [N, K] int8 · sw)ᵀ, summed in
+    float32: on ``triton`` at few rows the split-K kernel (:func:`rows.int8_rows`, the weight
+    converted in registers), else XLA's dot with the conversion as its operand."""
+    if resolve_backend(backend) == "triton" and x.shape[0] <= rows.MAX_ROWS:
+        return rows.int8_rows(x, w, sw, mode="w8", out_dtype=out_dtype, interpret=interpret)
+    return rows.reference(x, w, sw, mode="w8", out_dtype=out_dtype)
 
 
 def quantize_per_token(x, gamma=None, beta=None, *, norm: Optional[str] = None,
@@ -98,4 +112,5 @@ def int8_bmm(a, b, sa, sb, out_dtype=jnp.float32, *, backend: Optional[str] = No
 
 
 __all__ = ["BACKENDS", "Blocks", "default_blocks", "int8_bmm", "quantize_per_token",
-           "reference", "resolve_backend", "w8a8_matmul", "w8a8_matmul_per_token"]
+           "reference", "resolve_backend", "rows", "w8_matmul", "w8a8_matmul",
+           "w8a8_matmul_per_token"]

@@ -227,3 +227,81 @@ def test_bad_shapes_are_named_before_lowering(backend):
     with pytest.raises(ValueError, match="gamma must be"):
         pk.quantize_per_token(jnp.ones((4, 32)), jnp.ones(16), norm="rmsnorm", backend=backend,
                               interpret=True)
+
+
+# ---- the split-K kernel of decode's few rows (pallas_kernels.rows) -----------------------------
+def _rows_want(x, w, sw, bias, mode):
+    """numpy: per-token quantization (round half to even) and the int64 product (w8a8), or x
+    rounded to bfloat16 times the int8 weight in float64 (w8); then the scales and bias."""
+    if mode == "w8a8":
+        sx = np.abs(np.asarray(x, np.float32)).max(-1) / np.float32(127)
+        sx = np.where(sx > 0, sx, 1).astype(np.float32)
+        q = np.clip(np.round(np.asarray(x, np.float32) / sx[:, None]), -127, 127)
+        acc = q.astype(np.int64) @ np.asarray(w, np.int64).T
+        y = acc * sx[:, None].astype(np.float64)
+    else:
+        xb = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+        y = xb @ np.asarray(w, np.float64).T
+    return y * np.asarray(sw, np.float64)[None, :] + np.asarray(bias, np.float64)[None, :]
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "w8"])
+@pytest.mark.parametrize("M,N,Kr,splits", [(1, 80, 96, 1), (3, 64, 256, 3), (17, 48, 40, 1)])
+def test_few_rows_split_over_k(mode, M, N, Kr, splits):
+    """Blocks that do not divide N or K (padded), splits of K with a short last one: each row's
+    quantization (w8a8) and the products are the definition's, to float32 rounding of the
+    epilogue."""
+    rng = np.random.default_rng(M * N + Kr)
+    x = jnp.asarray(rng.standard_normal((M, Kr)) * 3, jnp.float32)
+    w = _ints(rng, (N, Kr))
+    sw = jnp.asarray(rng.random(N) * 0.01 + 1e-3, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(N), jnp.float32)
+    plan = pk.rows.Plan(32, 32, splits)
+    got = pk.rows.int8_rows(x, w, sw, bias, mode=mode, plan=plan, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float64), _rows_want(x, w, sw, bias, mode),
+                               rtol=2e-6, atol=2e-5)
+
+
+def test_few_rows_dispatch_on_triton():
+    """w8a8_matmul_per_token at decode's rows on ``triton`` takes the split-K kernel (its
+    numbers: the per-token reference's, exactly in the int32 sums); many rows keep the GEMM."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    w = _ints(rng, (32, 64))
+    got = pk.w8a8_matmul_per_token(x, w, 0.01, backend="triton", interpret=True)
+    q, sx = pk.reference.quantize_per_token(x)
+    np.testing.assert_allclose(got, pk.reference.w8a8_matmul(q, w, sx, jnp.full((32,), 0.01)),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="M <= 64"):
+        pk.rows.int8_rows(jnp.zeros((65, 64)), w, 1.0)
+
+
+@pytest.mark.parametrize("M,N,Kr", [(1, 11008, 4096), (8, 4096, 11008), (32, 32000, 4096),
+                                    (1, 1536, 576)])
+def test_few_rows_lower_for_gpu_without_padding(M, N, Kr):
+    """Llama-2-7B's and SmolLM2's products lower for CUDA at decode's rows, with blocks that
+    divide the weight (no padded copy of it) and enough programs for an H100's 132 SMs."""
+    plan = pk.rows.plan_for(M, N, Kr)
+    assert N % plan.bn == 0 and Kr % plan.bk == 0
+    assert (N // plan.bn) * plan.splits >= 132 or plan.splits == Kr // plan.bk
+    S = jax.ShapeDtypeStruct
+    for mode in ("w8a8", "w8"):
+        text = jax.jit(lambda x, w, sw: pk.rows.int8_rows(x, w, sw, mode=mode)).trace(
+            S((M, Kr), jnp.bfloat16), S((N, Kr), jnp.int8), S((N,), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        pads = [ln for ln in text.splitlines() if "stablehlo.pad" in ln]
+        assert "__gpu$xla.gpu.triton" in text and not any("xi8>" in ln for ln in pads), pads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w8a8", "w8"])
+def test_gpu_few_rows_compiled(mode):
+    """The compiled kernel (not interpreted) at Llama-2-7B's down projection, batch 8."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((8, 11008)), jnp.float32)
+    w = _ints(rng, (4096, 11008))
+    sw = jnp.asarray(rng.random(4096) * 1e-3, jnp.float32)
+    bias = jnp.zeros((4096,), jnp.float32)
+    got = pk.rows.int8_rows(x, w, sw, bias, mode=mode)
+    np.testing.assert_allclose(np.asarray(got, np.float64), _rows_want(x, w, sw, bias, mode),
+                               rtol=1e-4, atol=1e-3)

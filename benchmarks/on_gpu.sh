@@ -14,8 +14,9 @@
 #                                       # by the stored-format kernel and by the XLA form
 #   bash benchmarks/on_gpu.sh decode2   # gpu_decode.py: W8A8 / W8 weights, and transformers
 #   STEPS=N bash benchmarks/on_gpu.sh train   # the sink-token twins at the gpu-6m recipe
+#   STEPS=N bash benchmarks/on_gpu.sh sinks   # the three sink variants at the gpu-sinks recipe
 set -u
-STAGE=${1:?stage: suite, kernels, decode, decode2, bench or train}
+STAGE=${1:?stage: suite, kernels, decode, decode2, bench, train or sinks}
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
   | grep -oiE "[A-Z][0-9]{3}" | head -1 | tr 'A-Z' 'a-z')
 OUT=${OUT:-docs/gpu/$(date +%F)-${DEVICE:-gpu}}
@@ -96,6 +97,22 @@ jaxllm.save_model(sys.argv[2], cfg, jax.tree.map(lambda x: x.astype(jnp.bfloat16
   done
   ls -la "$OUT"
   ;;
-*) echo "unknown stage $STAGE (suite, kernels, decode, decode2, bench or train)"; exit 2;;
+sinks)
+  # The gpu-sinks recipe (train/config.py), the three variants at once, STEPS per command
+  # (default: the recipe's 1B tokens); a second command with a larger STEPS on the same warm
+  # machine resumes from /tmp/gpu_sinks. Each run comes back as an uncompressed tar in pieces
+  # of at most 15 MiB (cat run_V.tar.* > run_V.tar): its model in bfloat16 shards, metrics
+  # (MFU against the measured bf16 matmul rate), config, held-out text and corpus manifest.
+  step "sink variants, gpu-sinks, ${STEPS:-3815} steps"
+  timeout $(( $(left) - 60 )) $PY -m train.experiments.sink_token --preset gpu-sinks \
+    --set steps=${STEPS:-3815} --out /tmp/gpu_sinks --parallel --train-only \
+    > "$OUT/train_sinks.log" 2>&1
+  tail -20 "$OUT/train_sinks.log"
+  for v in none zero learnable; do
+    (cd /tmp/gpu_sinks && tar cf - --exclude=checkpoints $v | split -b 15M - "$OUT/run_$v.tar.")
+  done
+  ls -la "$OUT"
+  ;;
+*) echo "unknown stage $STAGE (suite, kernels, decode, decode2, bench, train or sinks)"; exit 2;;
 esac
 step done

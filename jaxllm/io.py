@@ -1,8 +1,10 @@
 """Model directories and where ``--model`` can point.
 
 A jaxllm model directory holds ``config.json`` (``{"model": ModelConfig, "tokenizer": ...,
-"format": ...}``) and the parameters, either as ``model.safetensors`` (small models, easy to ship)
-or as an orbax checkpoint under ``params/`` (large models, restorable straight into a sharding).
+"format": ...}``) and the parameters, either as ``model.safetensors`` (small models, easy to ship;
+or split into ``model-0000i-of-0000n.safetensors`` files of at most ``shard_bytes`` each, listed
+by ``model.safetensors.index.json`` as Hugging Face does) or as an orbax checkpoint under
+``params/`` (large models, restorable straight into a sharding).
 ``load_model`` also accepts a Hugging Face directory (converted on the fly, no torch) and
 ``random:PRESET[:SEED]`` (random weights of a preset, for smoke tests and benchmarks) and the
 models that ship inside the package: ``embedded`` (the default of every command, trained here by
@@ -35,7 +37,9 @@ FORMATS = ("safetensors", "orbax")
 
 
 MARKER = ".jaxllm-written"  # in every directory atomic_dir writes: the sign it may be replaced
-_OURS = {CONFIG, WEIGHTS, ORBAX_DIR, TOKENIZER_DIR, MARKER}
+INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_OURS = {CONFIG, WEIGHTS, INDEX, ORBAX_DIR, TOKENIZER_DIR, MARKER}
 _PARTIAL = re.compile(r"^\..+\.jaxllm-(partial|old)-(\d+)-")
 
 
@@ -50,7 +54,8 @@ def _written_by_us(path: str) -> bool:
             meta = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(meta, dict) and "model" in meta and "format" in meta and entries <= _OURS
+    return isinstance(meta, dict) and "model" in meta and "format" in meta and all(
+        e in _OURS or _SHARD.match(e) for e in entries)
 
 
 def check_output_dir(path: str, overwrite: bool = False, sources=()) -> None:
@@ -134,7 +139,8 @@ def atomic_dir(path: str, overwrite: bool = False, sources=()):
 
 
 def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "byte",
-               format: str = "safetensors", overwrite: bool = False, sources=()) -> None:
+               format: str = "safetensors", overwrite: bool = False, sources=(),
+               shard_bytes: int = 0) -> None:
     """Write a model directory atomically: an interrupted save never leaves a half-written
     model where a good one was.
 
@@ -144,6 +150,8 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
     ``format``: ``"safetensors"`` or ``"orbax"`` (see the module docstring).
     ``overwrite``: replace a model jaxllm wrote at ``path`` earlier (anything else there is
     refused); ``sources``: paths being read, which the output must not overlap.
+    ``shard_bytes`` (safetensors): split the weights into files of at most this many bytes
+    (0: one file); a tensor larger than that is an error naming it (a tensor is never split).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -169,9 +177,80 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
             with ocp.StandardCheckpointer() as ckpt:  # waits for the async write to finish
                 ckpt.save(os.path.join(tmp, ORBAX_DIR), plain)
         else:
-            from safetensors.numpy import save_file
             flat = {k: np.asarray(v) for k, v in tree.flatten(jax.device_get(plain)).items()}
-            save_file(flat, os.path.join(tmp, WEIGHTS))
+            _save_safetensors(tmp, flat, shard_bytes)
+
+
+def _save_safetensors(path: str, flat: dict, shard_bytes: int) -> None:
+    """``flat`` as model.safetensors, or as shards of at most ``shard_bytes`` (tensors in name
+    order, a new file when the next would overflow) with their index."""
+    from safetensors.numpy import save_file
+    if not shard_bytes:
+        save_file(flat, os.path.join(path, WEIGHTS))
+        return
+    if shard_bytes < 1:
+        raise ValueError(f"shard_bytes must be positive (0: one file), got {shard_bytes}")
+    # A safetensors file holds a JSON header besides its data: leave room for it.
+    room = lambda names: sum(flat[n].nbytes for n in names) + 8 + 160 * len(names) + 64  # noqa
+    shards, cur = [], []
+    for name in sorted(flat):
+        if room([name]) > shard_bytes:
+            size = lambda n: f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"  # noqa
+            raise ValueError(f"tensor {name} takes {size(flat[name].nbytes)}, more than a shard "
+                             f"of {size(shard_bytes)}: raise the shard size (a tensor is never "
+                             f"split)")
+        if cur and room(cur + [name]) > shard_bytes:
+            shards.append(cur)
+            cur = []
+        cur.append(name)
+    shards.append(cur)
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: flat[n] for n in names}, os.path.join(path, fname))
+        weight_map.update({n: fname for n in names})
+    with open(os.path.join(path, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": sum(a.nbytes for a in flat.values())},
+                   "weight_map": weight_map}, f, indent=1, sort_keys=True)
+
+
+def _load_safetensors(spec: str) -> tuple[dict, str]:
+    """The flat tensors of a model directory (one file, or the shards its index lists) and the
+    path errors should name. An index may only name shard files inside the directory."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    w_path, index = os.path.join(spec, WEIGHTS), os.path.join(spec, INDEX)
+    if os.path.exists(w_path) or not os.path.exists(index):
+        if not os.path.exists(w_path):
+            raise FileNotFoundError(f"{w_path} is missing (write the model with "
+                                    f"jaxllm.save_model)")
+        files = [w_path]
+    else:
+        meta = read_json(index)
+        wm = meta.get("weight_map") if isinstance(meta, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise ValueError(f"{index} has no weight_map of tensor names to shard files: "
+                             f"rewrite the model with jaxllm.save_model")
+        names = sorted(set(wm.values()))
+        bad = [n for n in names if os.path.basename(n) != n or not _SHARD.match(n)]
+        if bad:
+            raise ValueError(f"{index} names shard files outside the model directory or not "
+                             f"named model-NNNNN-of-NNNNN.safetensors ({', '.join(bad[:3])}): "
+                             f"refusing to read them")
+        files = [os.path.join(spec, n) for n in names]
+    flat = {}
+    for f in files:
+        if not os.path.exists(f):
+            raise FileNotFoundError(f"{f} is missing: the model directory is incomplete "
+                                    f"(copy it again)")
+        if not os.access(f, os.R_OK):  # safetensors reports this as "No such file"
+            raise ValueError(f"cannot read {f}: permission denied")
+        try:
+            part = load_file(f)
+        except SafetensorError as e:
+            raise ValueError(f"{f} is not a valid safetensors file ({e})") from None
+        flat.update(part)
+    return flat, files[0] if len(files) == 1 else index
 
 
 def read_json(path: str):
@@ -412,18 +491,7 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
         params = _restore_orbax(os.path.join(spec, ORBAX_DIR), sharding)
         check_params(cfg, tree.flatten(params), os.path.join(spec, ORBAX_DIR), quant)
     else:
-        w_path = os.path.join(spec, WEIGHTS)
-        if not os.path.exists(w_path):
-            raise FileNotFoundError(f"{w_path} is missing (write the model with "
-                                    f"jaxllm.save_model)")
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
-        if not os.access(w_path, os.R_OK):  # safetensors reports this as "No such file"
-            raise ValueError(f"cannot read {w_path}: permission denied")
-        try:
-            flat = load_file(w_path)
-        except SafetensorError as e:
-            raise ValueError(f"{w_path} is not a valid safetensors file ({e})") from None
+        flat, w_path = _load_safetensors(spec)
         check_params(cfg, flat, w_path, quant)
         params = _place(tree.unflatten(flat), sharding)
     params = from_plain(params, quant)

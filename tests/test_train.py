@@ -395,3 +395,82 @@ def test_init_from_copies_weights_and_keeps_a_new_sink_row(tmp_path):
     wide = jaxllm.init_params(dataclasses.replace(cfg, intermediate_size=96), jax.random.key(0))
     with pytest.raises(ValueError, match=r"tensor layer_0/mlp/\w+/kernel is \(\d+, \d+\) where"):
         weights_from(str(tmp_path / "m"), wide)
+
+
+# ---- a step worth a GPU: export, memory, MFU, prefetch -----------------------------------------
+def test_finished_run_exports_bfloat16_in_shards(tmp_path, uninterrupted):
+    """export_dtype / export_shard_mib: the finished model comes back in bfloat16, split into
+    files under the limit with an index, and loads as the run's weights rounded to bfloat16.
+    Each record reports where its MFU's peak rate came from (none on a CPU)."""
+    import jaxllm
+    from train.checkpoint import Checkpoints
+    run = str(tmp_path / "run")
+    cfg = recipe("tiny", TINY + ["steps=2", "ckpt_every=2", "export_dtype=bfloat16",
+                                 "export_shard_mib=1", "model.hidden_size=256",
+                                 "model.intermediate_size=1024", "model.num_layers=2"])
+    train(cfg, run, progress=False)  # 1.7M parameters: 3.4 MB in bfloat16
+    model = os.path.join(run, "model")
+    shards = sorted(f for f in os.listdir(model) if f.endswith(".safetensors"))
+    assert len(shards) >= 4 and all(os.path.getsize(os.path.join(model, f)) <= 1 << 20
+                                    for f in shards)
+    _, params, _ = jaxllm.load_model(model)
+    ck = Checkpoints(os.path.join(run, "checkpoints"), 3)
+    final = ck.restore(2, init_state(cfg, jax.random.key(0)))[0]["params"]
+    ck.close()
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(final)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+    rec = json.loads(open(os.path.join(run, "metrics.jsonl")).readline())
+    assert rec["peak_source"] == "none" and rec["mfu"] is None
+
+
+def test_shards_refuse_what_they_cannot_hold_or_should_not_read(tmp_path):
+    import jaxllm
+    cfg = recipe("tiny", TINY).model
+    params = jaxllm.init_params(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"tensor embed/embedding takes 33 KiB, more than a "
+                                         r"shard of 1 KiB"):
+        jaxllm.save_model(str(tmp_path / "m"), cfg, params, shard_bytes=1000)
+    jaxllm.save_model(str(tmp_path / "m"), cfg, params, shard_bytes=40_000)
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    name = next(iter(meta["weight_map"]))
+    meta["weight_map"][name] = "../elsewhere/model-00001-of-00001.safetensors"
+    index.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="outside the model directory"):
+        jaxllm.load_model(str(tmp_path / "m"))
+    index.write_text(json.dumps({"weight_map": ["not", "a", "map"]}))
+    with pytest.raises(ValueError, match="no weight_map"):
+        jaxllm.load_model(str(tmp_path / "m"))
+
+
+def test_a_step_that_cannot_fit_is_refused_in_one_line():
+    """XLA's compile-time count against the device's memory, before the first step."""
+    from train.loop import check_fits
+    cfg = recipe("tiny", TINY)
+    check_fits(10 << 30, None, cfg)  # a CPU: the limit is not known
+    check_fits(10 << 30, 11 << 30, cfg)
+    with pytest.raises(ValueError) as e:
+        check_fits(97 << 30, 80 << 30, cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "97.0 GiB" in msg and "80.0 GiB" in msg and "grad_accum" in msg
+
+
+def test_peak_rate_for_mfu_and_prefetch_errors():
+    """MFU's rate: set, or measured on an accelerator (the measurement itself runs anywhere);
+    a batch that fails on the prefetch thread raises at the step that needed it."""
+    from train.loop import Prefetch
+    from train.step import measured_tflops, peak_tflops
+    assert peak_tflops(recipe("tiny", ["peak_tflops=123"])) == (123.0, "set")
+    assert peak_tflops(recipe("tiny")) == (None, "none")
+    assert measured_tflops(n=64, reps=2) > 0
+
+    def make(step):
+        if step == 3:
+            raise OSError("disk gone")
+        return step
+    it = Prefetch(make, range(1, 6))
+    assert [next(it), next(it)] == [1, 2]
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+    it.close()

@@ -48,10 +48,20 @@ class TrainConfig:
     # Fine-tuning: start from this model directory's weights instead of random ones (a new
     # learnable sink's embedding row keeps its random init); the optimiser starts fresh.
     init_from: str = ""
+    # The finished model's files: its weights' dtype, and files of at most this many MiB (0:
+    # one file), e.g. bfloat16 in 16 MiB files to come back from a lent GPU machine.
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    export_shard_mib: int = 0
 
     def __post_init__(self):
         if self.sink not in ("none", "learnable", "zero"):
             raise ValueError(f"unknown sink {self.sink!r}; choose none, learnable or zero")
+        if self.export_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"export_dtype must be float32 or bfloat16, got "
+                             f"{self.export_dtype!r}")
+        if self.export_shard_mib < 0:
+            raise ValueError(f"export_shard_mib must be >= 0 (0: one file), got "
+                             f"{self.export_shard_mib}")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "ckpt_every",
                      "keep", "mesh_fsdp"):
             if getattr(self, name) < 1:
@@ -204,6 +214,22 @@ RECIPES: dict[str, TrainConfig] = {
                           seq_len=512, batch_size=64, steps=8000, lr=2e-3, warmup_frac=0.02,
                           data="site", dtype="bfloat16", ckpt_every=1000, log_every=100,
                           sink_eval_every=1000),
+    # The sink-emergence recipe: a 10.9M-parameter byte-level GPT-NeoX (6 layers, hidden 384,
+    # 6 heads of 64) on 1,024-byte samples of the `site` corpus, 262K tokens a step: 3,815 steps
+    # are 1B tokens (78.5 MFLOPs a token: 16 minutes per variant at 25% of an H100's 989 TFLOPs,
+    # so a 15-minute session trains part of it; docs/RESULTS.md). Sinks grow with the learning
+    # rate, weight decay and tokens ("When Attention Sink Emerges in Language Models", Gu et al.
+    # 2024, Section 5): both at the high end of stable. XLA:CPU counts 50 GiB for the step
+    # (benchmarks/train_memory.py; bfloat16 on a GPU needs less), so one micro-batch. The weights
+    # come back from the lent machine in bfloat16, in files of at most 15 MiB.
+    "gpu-sinks": TrainConfig(model=ModelConfig.gpt_neox(vocab_size=BYTE_VOCAB, hidden_size=384,
+                                                        num_layers=6, num_heads=6,
+                                                        max_seq_len=1024),
+                             seq_len=1024, batch_size=256, steps=3815, lr=1e-3,
+                             warmup_frac=0.02, weight_decay=0.1, data="site",
+                             dtype="bfloat16", ckpt_every=500, log_every=50,
+                             sink_eval_every=500, export_dtype="bfloat16",
+                             export_shard_mib=15),
     # Seconds per run: tests and smoke checks.
     "tiny": TrainConfig(model=_TINY, seq_len=128, batch_size=8, steps=200, lr=3e-3,
                         dtype="float32", ckpt_every=100),

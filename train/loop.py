@@ -32,7 +32,8 @@ def _check_run_dir(out: str, cfg: TrainConfig) -> None:
         with open(path) as f:
             old = json.load(f)
         new = cfg.to_dict()
-        keep = ("steps", "log_every", "ckpt_every", "keep", "sink_eval_every", "peak_tflops")
+        keep = ("steps", "log_every", "ckpt_every", "keep", "sink_eval_every", "peak_tflops",
+                "export_dtype", "export_shard_mib")  # may change on resume: not the numbers
         diff = sorted(k for k in new if k not in keep and old.get(k) != new[k])
         if diff:
             raise ValueError(f"{out} holds a run with a different config ({', '.join(diff)} "
@@ -186,8 +187,10 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
     abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.key(cfg.seed)))
     p_shard = shd.param_shardings(mesh, abstract["params"])
     state_shardings = _state_shardings(mesh, abstract, p_shard)
-    state = jax.jit(lambda: init_state(cfg, jax.random.key(cfg.seed)),
-                    out_shardings=state_shardings)()
+    # The key is an argument: a jit of no arguments is a constant to XLA, which then folds the
+    # whole initialisation at compile time (minutes for Pythia-160M).
+    state = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)(
+        cfg, jax.random.key(cfg.seed))
     if is_main:  # everything the config names has been built: the run may claim the directory
         _write_config(out, cfg)
         _record_data(out, data, data_lib.token_cache_path(cfg.data, tok, cache_dir))
@@ -209,7 +212,7 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
     if is_main:
         _truncate_metrics(metrics_path, start)
     step_fn = compile_step(cfg, state_shardings, shd.batch_sharding(mesh))
-    fpt, peak = flops_per_token(cfg), peak_tflops(cfg)
+    fpt, (peak, peak_source) = flops_per_token(cfg), peak_tflops(cfg)
     probe_text = data.heldout(4 * cfg.seq_len) if cfg.sink_eval_every else None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
 
@@ -219,15 +222,23 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
     log = open(metrics_path, "a") if is_main else None
     t_last, s_last, last = time.perf_counter(), start, {}
     pc, pi = jax.process_count(), jax.process_index()
+    compiled = None
+
+    def make(step):  # the step's batch on the devices, and the data iterator's state after it
+        batch = data.next_batch()  # every host draws the same global batch, keeps its rows
+        if cfg.pose_target:  # seq_len + 1 tokens at skipping positions below pose_target + 1
+            batch = pose_batch(batch, cfg.seq_len + 1, cfg.pose_target + 1, cfg.seed, step)
+        rows = cfg.batch_size // pc
+        return (jax.tree.map(lambda b: shd.put_batch(mesh, b[pi * rows:(pi + 1) * rows]),
+                             batch), data.state())
+    batches = Prefetch(make, range(start + 1, end + 1))
     try:
         for step in range(start + 1, end + 1):
-            batch = data.next_batch()  # every host draws the same global batch, keeps its rows
-            if cfg.pose_target:  # seq_len + 1 tokens at skipping positions below pose_target + 1
-                batch = pose_batch(batch, cfg.seq_len + 1, cfg.pose_target + 1, cfg.seed, step)
-            rows = cfg.batch_size // pc
-            mine = jax.tree.map(lambda b: shd.put_batch(mesh, b[pi * rows:(pi + 1) * rows]),
-                                batch)
-            state, m = step_fn(state, mine, cfg)
+            mine, dstate = next(batches)
+            if compiled is None:  # compiled once, ahead of the first step: refuse what won't fit
+                compiled = step_fn.lower(state, mine, cfg).compile()
+                check_fits(step_bytes(compiled), device_limit(), cfg)
+            state, m = compiled(state, mine)
             if step % cfg.log_every == 0 or step == end:
                 m = {k: float(v) for k, v in jax.device_get(m).items()}
                 now = time.perf_counter()
@@ -235,7 +246,8 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
                 t_last, s_last = now, step
                 rec = {"step": step, **m, "tokens": step * cfg.tokens_per_step,
                        "tokens_per_s": tps,
-                       "mfu": None if peak is None else tps * fpt / (peak * 1e12 * n_dev)}
+                       "mfu": None if peak is None else tps * fpt / (peak * 1e12 * n_dev),
+                       "peak_tflops": peak, "peak_source": peak_source}
                 if not np.isfinite(m["loss"]):
                     raise FloatingPointError(f"loss is {m['loss']} at step {step}; the last good "
                                              f"checkpoint is step {ckpt.latest()}: lower lr or "
@@ -250,8 +262,9 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
             bar.update(1)
             if step % cfg.ckpt_every == 0 or step == end:
-                ckpt.save(step, state, data.state(), force=step == end)
+                ckpt.save(step, state, dstate, force=step == end)
     finally:
+        batches.close()
         bar.close()
         if log:
             log.close()
@@ -261,10 +274,76 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
                                                                if k != "step"}}
     if end == cfg.steps and is_main:
         export_cfg = dataclasses.replace(cfg.model, dtype="float32")
-        save_model(os.path.join(out, "model"), export_cfg, jax.device_get(state["params"]),
-                   tokenizer=cfg.tokenizer, overwrite=True)
+        params = jax.device_get(state["params"])
+        if cfg.export_dtype == "bfloat16":
+            params = jax.tree.map(lambda a: np.asarray(a).astype(jax.numpy.bfloat16), params)
+        save_model(os.path.join(out, "model"), export_cfg, params, tokenizer=cfg.tokenizer,
+                   overwrite=True, shard_bytes=cfg.export_shard_mib << 20)
         summary["model"] = os.path.join(out, "model")
     return summary
+
+
+class Prefetch:
+    """``make(step)`` for each step, run ahead on a host thread (at most ``depth`` waiting), so
+    drawing, slicing and copying a batch to the devices overlaps the device's step instead of
+    following it. Errors surface at the ``next`` that would have returned the failed item."""
+
+    def __init__(self, make, steps, depth: int = 2):
+        import queue
+        import threading
+        self._q, self._stop = queue.Queue(depth), threading.Event()
+
+        def work():
+            for step in steps:
+                try:
+                    item = make(step)
+                except BaseException as e:  # handed to the consumer, raised there
+                    item = e
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set() or isinstance(item, BaseException):
+                    return
+        self._thread = threading.Thread(target=work, name="prefetch", daemon=True)
+        self._thread.start()
+
+    def __next__(self):
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def step_bytes(compiled) -> int:
+    """Device memory one training step holds at its peak, from XLA's compile-time accounting:
+    its arguments (the state, the batch) and temporaries, plus outputs not written in place of
+    a donated argument."""
+    ma = compiled.memory_analysis()
+    return (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
+            - ma.alias_size_in_bytes)
+
+
+def device_limit() -> Optional[int]:
+    """An accelerator's memory per device (None on a CPU: not known, so nothing is refused)."""
+    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def check_fits(need: int, limit: Optional[int], cfg: TrainConfig) -> None:
+    """One line before the first step when the step (``need`` bytes, :func:`step_bytes`) cannot
+    fit the device's ``limit``."""
+    if limit and need > limit:
+        raise ValueError(
+            f"the training step needs {need / 2**30:.1f} GiB per device (XLA's compile-time "
+            f"count: state, batch and temporaries) but the device holds {limit / 2**30:.1f} GiB: "
+            f"lower batch_size ({cfg.batch_size}) or raise grad_accum ({cfg.grad_accum}), or "
+            f"shard over more devices (mesh_fsdp)")
 
 
 def weights_from(path: str, fresh: dict) -> dict:

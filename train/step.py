@@ -108,19 +108,42 @@ def flops_per_token(cfg: TrainConfig) -> float:
         m.num_heads * m.head_dim
 
 
-# bf16 dense peak per device (vendor figures), for MFU.
+# bf16 dense peak per device (vendor figures): MFU's fallback where no rate is measured.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "TPU v4": 275.0, "TPU v5 lite": 197.0,
                "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0, "TPU v6 lite": 918.0,
                "TPU v6e": 918.0}
 
 
-def peak_tflops(cfg: TrainConfig) -> float | None:
-    """Per-device peak for MFU: ``cfg.peak_tflops`` or the device table; None when unknown
-    (CPUs: pass --set peak_tflops=X to get an MFU)."""
+def measured_tflops(n: int = 8192, reps: int = 10) -> float:
+    """The device's bfloat16 matmul rate, measured: ``reps`` chained [n, n] products, timed after
+    a warm-up (what a training step's matmuls can reach on this card, clocks and all)."""
+    import time
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+
+    @jax.jit
+    def chain(x):
+        for _ in range(reps):
+            x = jnp.dot(x, a, preferred_element_type=jnp.float32).astype(jnp.bfloat16) * 0.01
+        return x
+    chain(a).block_until_ready()
+    t0 = time.perf_counter()
+    chain(a).block_until_ready()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def peak_tflops(cfg: TrainConfig) -> tuple[float | None, str]:
+    """Per-device bfloat16 rate for MFU and where it comes from: ``cfg.peak_tflops`` ("set"),
+    else on an accelerator the measured matmul rate ("measured"; the vendor's peak when the
+    measurement fails), else None (CPUs: pass --set peak_tflops=X to get an MFU)."""
     if cfg.peak_tflops:
-        return cfg.peak_tflops
-    kind = jax.devices()[0].device_kind
-    for name, tf in PEAK_TFLOPS.items():
-        if name.lower() in kind.lower():
-            return tf
-    return None
+        return cfg.peak_tflops, "set"
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return None, "none"
+    try:
+        return measured_tflops(), "measured bf16 matmul"
+    except Exception:  # e.g. out of memory next to another process: the datasheet instead
+        for name, tf in PEAK_TFLOPS.items():
+            if name.lower() in dev.device_kind.lower():
+                return tf, "vendor peak"
+    return None, "none"

@@ -1,0 +1,61 @@
+"""A training step's device memory as XLA states it at compile time, for any model size, on any
+machine: the whole step (parameters, Adam's moments, the batch, the gradients and every
+temporary) compiled on abstract arrays, nothing allocated (train.loop.step_bytes, the figure
+the training loop checks against the device before its first step).
+
+The Pythia-160M recipe at 16 x 2,048 needed 97.7 GiB on an H200 with the attention scores
+materialised (docs/gpu/2026-11-26-h200 in the issue tracker's logs). Compiled for this machine's
+backend: on a CPU the figure includes XLA:CPU's float32 copies of bfloat16 operands.
+
+    python benchmarks/train_memory.py [--recipe pythia-160m] [--shapes 16x2048,8x2048]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _record import record  # noqa: E402
+
+from train import sharding as shd  # noqa: E402
+from train.config import recipe  # noqa: E402
+from train.loop import _state_shardings, step_bytes  # noqa: E402
+from train.step import compile_step, init_state  # noqa: E402
+
+
+def train_step_bytes(cfg) -> int:
+    mesh = shd.make_mesh(0, 1)
+    abstract = jax.eval_shape(lambda k: init_state(cfg, k), jax.random.key(0))
+    shardings = _state_shardings(mesh, abstract, shd.param_shardings(mesh, abstract["params"]))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract, shardings)
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jax.numpy.int32,
+                                 sharding=shd.batch_sharding(mesh))
+    step = compile_step(cfg, shardings, shd.batch_sharding(mesh))
+    return step_bytes(step.lower(state, batch, cfg).compile())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default="pythia-160m")
+    ap.add_argument("--shapes", default="16x2048", help="BATCHxSEQ_LEN, comma-separated")
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args()
+    rows = ["| batch x seq_len | grad_accum | step memory (GiB) |", "|---|---:|---:|"]
+    for shape in a.shapes.split(","):
+        B, T = (int(x) for x in shape.split("x"))
+        for accum in (1, 4):
+            cfg = recipe(a.recipe, [f"batch_size={B}", f"seq_len={T}", f"grad_accum={accum}"])
+            gib = train_step_bytes(cfg) / 2 ** 30
+            rows.append(f"| {B} x {T} | {accum} | {gib:.1f} |")
+            print(rows[-1], flush=True)
+    record(f"Training step memory, {a.recipe} (XLA's compile-time count, "
+           f"{jax.devices()[0].platform})", "\n".join(rows), dry=a.no_record)
+
+
+if __name__ == "__main__":
+    main()

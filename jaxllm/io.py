@@ -271,7 +271,15 @@ def check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None:
     """Names and shapes against the config (an int8 node's ``q`` has its float kernel's shape)."""
     expect = tree.flatten(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
     flat = dict(flat)
-    for path in quant:
+    for path, s in quant.items():
+        if s.get("kind") == "lowbit":  # codes [out, P]: the float kernel [in, out] it stands for
+            codes = flat.pop(f"{path}/codes", None)
+            for extra in ("scale", "offset"):
+                flat.pop(f"{path}/{extra}", None)
+            if codes is not None:
+                flat[path] = jax.ShapeDtypeStruct((s["in_features"], codes.shape[0]),
+                                                  jnp.float32)
+            continue
         for extra in ("scale", "act_scale"):
             flat.pop(f"{path}/{extra}", None)
         if f"{path}/q" in flat:  # int8 kernels are stored [out, in], tables [vocab, dim]

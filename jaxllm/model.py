@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from . import attention
+from . import attention, lowbit
 from .kv import cache as kvc
 from .kv import evict, stores
 from .config import ModelConfig
 from .policy import check_positions
+from .lowbit import QLowBit
 from .quant import QKernel, qmatmul
 from .rope import inv_freq
 
@@ -38,9 +39,14 @@ class Linear(nn.Module):
         self.sow("intermediates", "in_absmax",
                  jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(-1, x.shape[-1]), axis=0),
                  reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
+        # The whole input, collected only when "inputs" is mutable (GPTQ's Hessians).
+        self.sow("inputs", "x", x.reshape(-1, x.shape[-1]), reduce_fn=lambda a, b: b,
+                 init_fn=lambda: 0.0)
         kernel = self.get_variable("params", "kernel")
         if isinstance(kernel, QKernel):  # INT8 (jaxllm.quant): dispatch on the leaf's type
             y = qmatmul(x, kernel, self.dtype)
+        elif isinstance(kernel, QLowBit):  # k-bit weight-only (jaxllm.lowbit, jaxllm.gptq)
+            y = lowbit.matmul(x, kernel, self.dtype)
         else:
             kernel = self.param("kernel", nn.initializers.normal(self.std),
                                 (x.shape[-1], self.features))
@@ -205,6 +211,9 @@ class Transformer(nn.Module):
                          write_first=cache is None or not stores.reads_before_write(cache.k[0]),
                          positions=positions, keys_rotated=cache is not None and cache.keys_rotated)
         new_k, new_v, new_s = [], [], []
+        # The first block's input, collected only when "block_inputs" is mutable (GPTQ's
+        # block-by-block calibration, block_apply).
+        self.sow("block_inputs", "x", x, reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
                 cache.scores[layer:layer + 1]  # + the layer's evict.Scores if score-based
@@ -224,6 +233,20 @@ class Transformer(nn.Module):
         else:
             logits = Linear(cfg.vocab_size, False, cfg.init_std, dt, name="lm_head")(x)
         return logits.astype(jnp.float32), (tuple(new_k), tuple(new_v), tuple(new_s))
+
+
+def block_apply(layer_params, cfg: ModelConfig, x: Float[Array, "b t d"], mutable=()):
+    """One block of a plain causal forward on its input x (positions 0..T-1): the output, or
+    ``(output, collections)`` with ``mutable`` (e.g. ``["inputs"]``: each linear's input)."""
+    B, T = x.shape[:2]
+    freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling,
+                    jnp.full((B,), T, jnp.int32))
+    plan = attention.plan(cfg, None, B, T, 0, freq)
+    if not mutable:
+        return Block(cfg).apply({"params": layer_params}, x, None, plan)[0]
+    (y, _), state = Block(cfg).apply({"params": layer_params}, x, None, plan,
+                                     mutable=list(mutable))
+    return y, state
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:

@@ -375,9 +375,15 @@ def pv(p: Float[Array, "b k g t s"], v: Float[Array, "b k s h"], p_scale: Array,
 def to_plain(params) -> tuple[dict, dict]:
     """Nested dicts of arrays (for safetensors/orbax) and ``{path: {"act", "real"}}`` for every
     quantized node (``{"kind": "attention", "real"}`` for INT8 attention), path joined by '/'."""
+    from .lowbit import QLowBit
     spec, flat = {}, {}
     for path, node in tree.flatten(params).items():
-        if isinstance(node, QAttention):  # no arrays: only its spec entry
+        if isinstance(node, QLowBit):  # k-bit weight-only (jaxllm.lowbit)
+            spec[path] = {"kind": "lowbit", "bits": node.bits, "group": node.group,
+                          "in_features": node.in_features}
+            for name in ("codes", "scale", "offset"):
+                flat[f"{path}/{name}"] = getattr(node, name)
+        elif isinstance(node, QAttention):  # no arrays: only its spec entry
             spec[path] = {"kind": "attention", "real": node.real}
         elif isinstance(node, QKernel):
             spec[path] = {"act": node.act, "real": node.real}
@@ -397,6 +403,11 @@ def from_plain(plain: dict, spec: dict) -> dict:
             path = path[:-len("bmm")] + "int8_attention"
         if s.get("kind") == "attention":
             flat[path] = QAttention(real=s["real"])
+            continue
+        if s.get("kind") == "lowbit":
+            from .lowbit import QLowBit
+            flat[path] = QLowBit(*(flat.pop(f"{path}/{n}") for n in ("codes", "scale", "offset")),
+                                 bits=s["bits"], group=s["group"], in_features=s["in_features"])
             continue
         q, scale = flat.pop(f"{path}/q"), flat.pop(f"{path}/scale")
         flat[path] = QKernel(q, scale, flat.pop(f"{path}/act_scale", None), act=s["act"],

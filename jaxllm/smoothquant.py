@@ -173,8 +173,11 @@ def _linear_paths(params) -> list[str]:
 
 
 def is_quantized(params) -> bool:
-    return any(isinstance(x, QKernel) for x in
-               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QKernel)))
+    """Whether any weight is quantized already (int8 QKernel, or a low-bit QLowBit)."""
+    from .lowbit import QLowBit
+    kinds = (QKernel, QLowBit)
+    return any(isinstance(x, kinds) for x in
+               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, kinds)))
 
 
 def _check_embedding_head(cfg: ModelConfig, quantize_embedding: bool, quantize_head: bool):

@@ -42,11 +42,11 @@ CASES = {  # keys, values, head dim, slots, block, backend
     "4-bit, groups of 8 channels": (kd.Layout("token", 4, 8), kd.Layout("token", 4), 16, 29,
                                     8, "triton"),
     "3-bit keys, 8-bit values": (kd.Layout("token", 3), kd.Layout("token", 8, 4), 16, 37, 8,
-                                 "tpu"),
+                                 "triton"),
     "2-bit per token": (kd.Layout("token", 2), kd.Layout("token", 2, 16), 32, 21, 16,
                         "triton"),
     "KIVI-2 (per-channel keys)": (kd.Layout("channel", 2, 8), kd.Layout("token", 2), 32, 24,
-                                  8, "tpu"),
+                                  8, "triton"),
     "one block of one slot": (kd.Layout("int8", 8), kd.Layout("float"), 16, 1, 1, "triton"),
 }
 
@@ -92,8 +92,6 @@ MPT = dataclasses.replace(NEOX, family="mpt", pos_emb="alibi", norm_bias=False, 
                           mlp_bias=False, rotary_pct=0.0)
 STEPS = {  # model, cache dtype, KV quantization, window
     "llama GQA, bfloat16 (keys stored rotated)": (LLAMA, jnp.bfloat16, None, 13),
-    "llama, 2-bit groups of 16 (keys turned in the kernel)": (
-        LLAMA, jnp.float32, kq.KVQuant("token", 2, 16), 13),
     "ALiBi + softmax-off-by-one, int8": (dataclasses.replace(MPT, sink="zero"), jnp.float32,
                                          kq.KVQuant("int8", 8), 13),
     "KIVI-2, R = 16 not dividing the window 21": (LLAMA, jnp.float32,
@@ -106,7 +104,8 @@ def test_decode_steps_through_the_kernel_equal_the_xla_form(case, monkeypatch):
     """Prefill two rows of different lengths, then decode until the 2 + W ring has wrapped: the
     kernel's logits (interpreted) are the XLA form's (jaxllm.attention.decode; KIVI's, which
     reads before it writes: jaxllm.attention.ring), to float32 rounding, for a cache of every
-    kind of key (rotated when stored, turned in the kernel, no RoPE) and storage."""
+    kind of key (rotated when stored, turned in the kernel: KIVI's, no RoPE). The per-format
+    reading is the test above's."""
     cfg, dtype, kvq, window = STEPS[case]
     import pallas_kernels.decode as kernel
     calls = []

@@ -230,3 +230,23 @@ def test_packaged_model_names_its_install_line(monkeypatch):
         packaged_path("smollm2")
     assert PACKAGED["smollm2"].install in str(pytest.raises(
         Exception, jaxllm.load_model, "smollm2").value)
+
+
+def test_gptq_beats_rtn_on_the_real_models_activations(real):
+    """Layer 0's q projection of SmolLM2-135M on 128 tokens of the embedded corpus:
+    ‖WX - ŴX‖² of GPTQ below RTN's at 4 and 3 bits (groups of 64)."""
+    from jaxllm import gptq, tree
+    from jaxllm.corpus import builtin_corpus
+    from jaxllm.model import apply, block_apply
+    cfg, params, tok = real[2:]
+    ids = np.asarray(tok.encode(builtin_corpus()[:20000]))[:128].reshape(1, 128)
+    _, _, st = apply(params, cfg, jnp.asarray(ids), mutable=["block_inputs"], last_only=True)
+    _, st = block_apply(params["layer_0"], cfg, st["block_inputs"]["x"], mutable=["inputs"])
+    x = tree.flatten(st["inputs"])["attn/q/x"]
+    kernel = params["layer_0"]["attn"]["q"]["kernel"]
+    for bits in (4, 3):
+        rtn, _ = gptq.quantize_linear(kernel, gptq.GPTQConfig("rtn", bits, 64))
+        got, _ = gptq.quantize_linear(kernel, gptq.GPTQConfig("gptq", bits, 64),
+                                      gptq.hessian(x) / x.shape[0])
+        e_gptq, e_rtn = gptq.output_error(kernel, got, x), gptq.output_error(kernel, rtn, x)
+        assert e_gptq < 0.8 * e_rtn, (bits, e_gptq, e_rtn)

@@ -1,0 +1,159 @@
+"""Weight-only low-bit linears: k-bit codes with a scale and a float offset per row and group of
+input columns, ŵ = code·scale + offset, the layout GPTQ and round-to-nearest write
+(jaxllm.gptq). GPTQ's zero point is stored as offset = -scale·zero ("GPTQ", Frantar et al. 2023,
+the authors' quantizer: ŵ = scale·(code - zero)); GGUF's Q4_1 float minimum is an offset too.
+
+Codes are K-major like jaxllm.quant.QKernel ([out, in], the transpose of a float kernel) and
+packed along the input, per = 32 // bits codes to a uint32 word (2 bits: 16, 3 bits: 10 in 30
+of its bits, 4 bits: 8), code j of word w being column w·per + j (the input padded with zero
+codes to whole words: 576 columns are 58 words of 3-bit codes, the last holding 6); 8-bit codes
+one per byte. Group g covers input columns [g·G, (g+1)·G); a group
+size that does not divide the input width leaves a shorter last group (128 into 576: four of
+128 and one of 64). Scales and offsets are float32: exactly what the quantizer used.
+
+A linear holding a :class:`QLowBit` multiplies by dequantizing inside the compiled step
+(:func:`matmul`): one layer's float weight at a time, never the model's.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float
+
+BITS = (2, 3, 4, 8)
+PACKED = (2, 3, 4)
+
+
+def pack(codes, bits: int):
+    """uint8 codes [..., n] -> uint32 [..., ceil(n / per)], per = 32 // bits."""
+    per = 32 // bits
+    n = codes.shape[-1]
+    c = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, -n % per)]).astype(jnp.uint32)
+    c = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
+    shifts = bits * jnp.arange(per, dtype=jnp.uint32)
+    return jnp.sum(c << shifts, axis=-1, dtype=jnp.uint32)  # fields do not overlap: sum = or
+
+
+def unpack(words, bits: int, n: int):
+    """Inverse of :func:`pack`: uint32 [..., ceil(n / per)] -> uint8 codes [..., n]."""
+    per = 32 // bits
+    shifts = bits * jnp.arange(per, dtype=jnp.uint32)
+    c = (words[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
+    return c.reshape(*words.shape[:-1], words.shape[-1] * per)[..., :n].astype(jnp.uint8)
+
+
+@struct.dataclass
+class QLowBit:
+    """A weight-only k-bit linear [out, in]: ``codes`` [out, ceil(in / per)] uint32 (2, 3, 4
+    bits) or [out, in] uint8 (8 bits); ``scale``, ``offset`` [out, groups] float32."""
+
+    codes: Array
+    scale: Array
+    offset: Array
+    bits: int = struct.field(pytree_node=False)
+    group: int = struct.field(pytree_node=False)  # input columns per group (in: per channel)
+    in_features: int = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple:
+        return (self.codes.shape[0], self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in (self.codes, self.scale, self.offset))
+
+
+def check(bits: int, group: int, in_features: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits {bits} is not supported; choose one of "
+                         f"{', '.join(map(str, BITS))}")
+    if group < 1:
+        raise ValueError(f"group must be >= 1 input columns (the input width for per-channel), "
+                         f"got {group}")
+
+
+def n_groups(group: int, in_features: int) -> int:
+    return -(-in_features // group)
+
+
+def expand(per_group: Float[Array, "o g"], group: int, in_features: int) -> Float[Array, "o i"]:
+    """[out, groups] -> [out, in]: each group's value over its columns (the last one ragged)."""
+    return jnp.repeat(per_group, group, axis=1, total_repeat_length=n_groups(
+        group, in_features) * group)[:, :in_features]
+
+
+def encode(codes, scale, offset, bits: int, group: int) -> QLowBit:
+    """A node from integer codes [out, in] (0..2^bits - 1) and per-group scale, offset."""
+    out, in_features = codes.shape
+    check(bits, group, in_features)
+    c = jnp.asarray(codes).astype(jnp.uint8)
+    return QLowBit(pack(c, bits) if bits in PACKED else c, jnp.asarray(scale, jnp.float32),
+                   jnp.asarray(offset, jnp.float32), bits=bits, group=group,
+                   in_features=in_features)
+
+
+def codes_of(node: QLowBit) -> Array:
+    """The integer codes [out, in] (uint8)."""
+    if node.bits in PACKED:
+        return unpack(node.codes, node.bits, node.in_features)
+    return node.codes
+
+
+def dequantize(node: QLowBit, dtype=jnp.float32) -> Float[Array, "o i"]:
+    """ŵ = code·scale + offset, [out, in] (the K-major weight)."""
+    c = codes_of(node).astype(jnp.float32)
+    w = c * expand(node.scale, node.group, node.in_features) + \
+        expand(node.offset, node.group, node.in_features)
+    return w.astype(dtype)
+
+
+def chunk_columns(node: QLowBit) -> int:
+    """Input columns per step of :func:`matmul`: whole words and whole groups, at least 128
+    (the input width when it is smaller)."""
+    per = 32 // node.bits if node.bits in PACKED else 1
+    c = np.lcm(node.group, per)
+    c *= -(-128 // c)
+    return int(c) if c < node.in_features else node.in_features
+
+
+def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[Array, "... o"]:
+    """x @ ŵᵀ, products in float32, the result in ``dtype``. The weight is dequantized a chunk
+    of input columns at a time inside a loop (:func:`chunk_columns`), so no float copy of it is
+    ever whole: dequantized whole, XLA:CPU kept every layer's float weight alive at once (0.75
+    GiB a Llama-2-7B layer). Columns past the last whole chunk (whole words and groups from
+    its start) are a last, shorter step."""
+    lead, n = x.shape[:-1], node.in_features
+    xf = x.astype(dtype).astype(jnp.float32).reshape(-1, n)
+    C = chunk_columns(node)
+    per = 32 // node.bits if node.bits in PACKED else 1
+    out = node.codes.shape[0]
+
+    def part(words, sc, of, xc):  # the product over some columns, from their stored form
+        width = xc.shape[1]
+        codes = unpack(words, node.bits, width) if node.bits in PACKED else words
+        w = codes.astype(jnp.float32) * expand(sc, node.group, width) + \
+            expand(of, node.group, width)  # [out, width]
+        return jnp.einsum("mc,oc->mo", xc, w, preferred_element_type=jnp.float32)
+
+    full = n // C if C < n else 0
+    y = jnp.zeros((xf.shape[0], out), jnp.float32)
+    if full:
+        def step(y, i):
+            sl = lambda a, start, size: jax.lax.dynamic_slice_in_dim(a, start, size, 1)  # noqa
+            return y + part(sl(node.codes, i * (C // per), C // per),
+                            sl(node.scale, i * (C // node.group), C // node.group),
+                            sl(node.offset, i * (C // node.group), C // node.group),
+                            sl(xf, i * C, C)), None
+        y, _ = jax.lax.scan(step, y, jnp.arange(full))
+    if full * C < n:  # the rest (all of it when C == n), from a whole word and group
+        s = full * C
+        y = y + part(node.codes[:, s // per:], node.scale[:, s // node.group:],
+                     node.offset[:, s // node.group:], xf[:, s:])
+    return y.reshape(*lead, out).astype(dtype)
+
+
+def numpy_dequantize(node: QLowBit) -> np.ndarray:
+    """:func:`dequantize` in numpy float64 (reports, tests of this module's users)."""
+    return np.asarray(jax.device_get(dequantize(node)), np.float64)

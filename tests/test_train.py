@@ -298,7 +298,10 @@ def test_corrupt_latest_checkpoint_resumes_from_the_one_before(uninterrupted, tm
     with open(big, "r+b") as f:  # a write cut short: half the largest file is gone
         f.truncate(os.path.getsize(big) // 2)
     train(cfg, run, progress=False)
-    assert "checkpoint step 8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "checkpoint step 8" in err and "moved to" in err
+    kept = os.listdir(os.path.join(run, "checkpoints.quarantine"))  # evidence, not deleted
+    assert len(kept) == 1 and kept[0].startswith("8-")
     assert _losses(run) == uninterrupted  # resumed from step 4, bit-exact
 
 
@@ -474,3 +477,21 @@ def test_peak_rate_for_mfu_and_prefetch_errors():
     with pytest.raises(OSError, match="disk gone"):
         next(it)
     it.close()
+
+
+def test_unreadable_checkpoint_is_named_and_left_in_place(uninterrupted, tmp_path,
+                                                          monkeypatch):
+    """A checkpoint this process cannot read (a run copied from another user) is not corrupt:
+    the run refuses in one line naming the file, and every checkpoint stays where it was."""
+    import train.checkpoint as ck
+    run = str(tmp_path / "run")
+    cfg = recipe("tiny", TINY)
+    train(cfg, run, progress=False, stop_after=8)
+    before = sorted(os.listdir(os.path.join(run, "checkpoints")))
+    real_access = os.access
+    monkeypatch.setattr(ck.os, "access", lambda p, mode: False if os.sep + "8" + os.sep in p
+                        + os.sep else real_access(p, mode))
+    with pytest.raises(ValueError, match=r"checkpoint step 8 cannot be read \(.*permission"):
+        train(cfg, run, progress=False)
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == before
+    assert not os.path.exists(os.path.join(run, "checkpoints.quarantine"))

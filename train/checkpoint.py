@@ -37,23 +37,57 @@ class Checkpoints:
             state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
         return out["state"], out["data"]
 
+    @property
+    def quarantine_dir(self) -> str:
+        """Where checkpoints that do not restore are moved (beside the checkpoints, out of
+        orbax's sight): kept as evidence, never deleted."""
+        return self.dir + ".quarantine"
+
+    def _unreadable(self, step: int) -> Optional[str]:
+        """A file of this step that this process cannot read (a run copied from another user,
+        a share mounted without read rights): not corruption, so nothing may be moved."""
+        root = os.path.join(self.dir, str(step))
+        for d, dirs, files in os.walk(root):
+            for name in [d] + [os.path.join(d, f) for f in files]:
+                if not os.access(name, os.R_OK | (os.X_OK if os.path.isdir(name) else 0)):
+                    return name
+        return None
+
     def restore_newest_good(self, like_state) -> tuple[dict, dict, int]:
         """(state, data position, step) of the newest checkpoint that restores. A checkpoint
-        that fails (a truncated or corrupted file) is reported, deleted and skipped, so training
-        resumes from the one before it instead of dying."""
+        that fails to restore (a truncated or corrupted file) is reported and moved to
+        :attr:`quarantine_dir`, and the one before it is tried, so training resumes instead of
+        dying and the evidence stays. One that this process cannot read is an error naming the
+        file: moving it would hide a permissions problem as corruption."""
+        import shutil
         import sys
+        import time
         for step in sorted(self.mngr.all_steps(), reverse=True):
+            bad = self._unreadable(step)
+            if bad:
+                raise ValueError(f"checkpoint step {step} cannot be read ({bad}: permission "
+                                 f"denied); give this user read access to {self.dir}, or "
+                                 f"train into a new --out")
             try:
                 state, data = self.restore(step, like_state)
                 return state, data, step
             except Exception as e:  # noqa: BLE001 - any failure to read this step
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                dest = os.path.join(self.quarantine_dir, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+                try:
+                    os.makedirs(self.quarantine_dir, exist_ok=True)
+                    shutil.move(os.path.join(self.dir, str(step)), dest)
+                except OSError as move_error:
+                    raise ValueError(f"checkpoint step {step} in {self.dir} does not restore "
+                                     f"({type(e).__name__}: {reason}) and cannot be moved aside "
+                                     f"({move_error.strerror}); move it out of the way by hand "
+                                     f"and run again") from None
                 print(f"warning: checkpoint step {step} in {self.dir} does not restore "
-                      f"({type(e).__name__}: {reason}); deleting it and trying the one before",
+                      f"({type(e).__name__}: {reason}); moved to {dest}, trying the one before",
                       file=sys.stderr)
-                self.mngr.delete(step)
-        raise ValueError(f"no checkpoint in {self.dir} restores; move the directory away and "
-                         f"start the run again")
+                self.mngr.reload()
+        raise ValueError(f"no checkpoint in {self.dir} restores (the failed ones are in "
+                         f"{self.quarantine_dir}); start the run in a new --out")
 
     def wait(self) -> None:
         self.mngr.wait_until_finished()

@@ -47,8 +47,18 @@ class _SafetensorsDir:
         from safetensors import SafetensorError, safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            from jaxllm.io import read_json
+            meta = read_json(index)
+            wm = meta.get("weight_map") if isinstance(meta, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise ValueError(f"{index} has no weight_map of tensor names to shard files "
+                                 f"(a dict of strings): the checkpoint's index is damaged; "
+                                 f"fetch it again")
+            files = sorted(set(wm.values()))
+            bad = [n for n in files if os.path.basename(n) != n or n in (".", "..")]
+            if bad:
+                raise ValueError(f"{index} names shard files outside {path} "
+                                 f"({', '.join(bad[:3])}): refusing to read them")
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         self.where: dict[str, object] = {}

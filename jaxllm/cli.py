@@ -183,6 +183,17 @@ def kv_quant(a):
         raise CliError(flag_names(e)) from None
 
 
+def seed_int(text: str) -> int:
+    """--seed: an integer that a 64-bit random key holds."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: an integer, e.g. 0") from None
+    if not -2 ** 63 <= v < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"seed {v} does not fit in 64 bits; use a smaller one")
+    return v
+
+
 def flag_names(e: Exception) -> str:
     """A library error about KV settings, with the CLI's flag names."""
     return (str(e).replace("kv bits", "--kv-bits").replace("kv group", "--kv-group")
@@ -341,7 +352,7 @@ def add_demo(sub) -> None:
                    help="sink tokens of the StreamingLLM and recompute rows")
     p.add_argument("--positions", type=int, default=64,
                    help="recompute is scored at this many seeded positions past the first W")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled positions")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the sampled positions")
     p.add_argument("--int8", action="store_true",
                    help="also StreamingLLM on a SmoothQuant W8A8 O1 copy")
     p.add_argument("--chat-cache", type=int, default=160,
@@ -406,7 +417,7 @@ def add_generate(sub) -> None:
                    help="cache policy: StreamingLLM (sinks + window), or score-based eviction")
     p.add_argument("--sinks", type=int, default=4, help="sink tokens kept in the cache")
     p.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed for sampling")
     p.add_argument("--chat", action="store_true",
                    help="each --prompt is a question to the model in its chat template; the "
                         "rounds share one cache, and each prints its answer and the cache's fill")
@@ -613,6 +624,9 @@ def cmd_quantize(a) -> None:
               f"alpha: auto (the paper gives no value for a {cfg.family} model this small: its "
               f"alphas come from 6.7B+ models with large outlier channels)", file=sys.stderr)
         alpha = "auto" if alpha is None else alpha
+    n_seqs = 64 if a.n_seqs is None else a.n_seqs
+    if n_seqs < 1 or a.seq_len < 1:
+        raise CliError(f"--n-seqs and --seq-len must be >= 1, got {n_seqs} and {a.seq_len}")
     ids = tok.encode(read_text(a.calib_text) if a.calib_text else builtin_corpus())
     try:
         q, info = quantize(params, cfg, ids, a.scheme, alpha, smooth=not a.no_smooth,
@@ -621,8 +635,7 @@ def cmd_quantize(a) -> None:
                            per_channel=True if a.per_channel_weights else None,
                            quantize_embedding=not a.float_embedding,
                            quantize_head=not a.float_head,
-                           calib=CalibConfig(n_seqs=64 if a.n_seqs is None else a.n_seqs,
-                                             seq_len=a.seq_len),
+                           calib=CalibConfig(n_seqs=n_seqs, seq_len=a.seq_len),
                            progress=not a.quiet, return_info=True)
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok,
                    format=a.format, overwrite=a.overwrite, sources=sources(a.model))
@@ -724,7 +737,7 @@ def add_eval(sub) -> None:
         # (no hyphen in the default: argparse would wrap the help line there)
         t.add_argument("--out", default=f"eval_out/{name.replace('-', '_')}",
                        help="writes OUT.json and OUT.png")
-        t.add_argument("--seed", type=int, default=0,
+        t.add_argument("--seed", type=seed_int, default=0,
                        help="random seed (task content, sampled sequences)")
         t.add_argument("--quiet", action="store_true", help="no progress output")
         own_args(t)

@@ -28,10 +28,12 @@ class SamplingConfig:
     eos_id: Optional[int] = None  # stop a row after it emits this token
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 1 <= self.max_new_tokens <= 2 ** 31 - 1:
+            raise ValueError(f"max_new_tokens must lie in [1, 2147483647] (a row's tokens are "
+                             f"int32-indexed), got {self.max_new_tokens}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails >= 0
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -204,6 +204,20 @@ def test_sharded_index_and_bfloat16(tmp_path):
             p.copy_(p.bfloat16().float())
     np.testing.assert_allclose(jaxllm.forward(params, cfg, TOKENS)[0], hf_logits(ref, TOKENS),
                                atol=1e-4, rtol=0)
+    # An untrusted index: shard paths leaving the directory, or no weight_map, are refused.
+    index = tmp_path / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    name = next(iter(meta["weight_map"]))
+    meta["weight_map"][name] = "../other/model.safetensors"
+    index.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="names shard files outside"):
+        convert.from_hf(str(tmp_path))
+    index.write_text(json.dumps({"weight_map": 3}))
+    with pytest.raises(ValueError, match="has no weight_map"):
+        convert.from_hf(str(tmp_path))
+    index.write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        convert.from_hf(str(tmp_path))
 
 
 def test_orbax_round_trip_into_a_sharding(saved, tmp_path):

@@ -188,6 +188,16 @@ def test_impossible_cache_is_refused_with_its_size(monkeypatch):
     (["eval", "passkey", "--trials", "0"], "--trials must be >= 1"),
     (["eval", "outliers", "--alpha", "5"], "--alpha must lie in [0, 1]"),
     (["ppl", "--method", "dense", "--cache", "-3"], "cache must be >= 1"),
+    (["generate", "--model", "embedded", "--prompt", "x", "--temperature", "nan"],
+     "temperature must be a finite number >= 0"),
+    (["generate", "--model", "embedded", "--prompt", "x", "--max-new-tokens",
+      "1000000000000"], "max_new_tokens must lie in [1, 2147483647]"),
+    (["generate", "--model", "embedded", "--prompt", "x", "--seed", "1" + "0" * 23],
+     "does not fit in 64 bits"),
+    (["quantize", "--model", "embedded", "--n-seqs", "0", "--out", "q"],
+     "--n-seqs and --seq-len must be >= 1"),
+    (["quantize", "--model", "embedded", "--seq-len", "0", "--out", "q"],
+     "--n-seqs and --seq-len must be >= 1"),
 ])
 def test_cli_arguments_out_of_range(args, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -192,8 +192,6 @@ def test_impossible_cache_is_refused_with_its_size(monkeypatch):
      "temperature must be a finite number >= 0"),
     (["generate", "--model", "embedded", "--prompt", "x", "--max-new-tokens",
       "1000000000000"], "max_new_tokens must lie in [1, 2147483647]"),
-    (["generate", "--model", "embedded", "--prompt", "x", "--seed", "1" + "0" * 23],
-     "does not fit in 64 bits"),
     (["quantize", "--model", "embedded", "--n-seqs", "0", "--out", "q"],
      "--n-seqs and --seq-len must be >= 1"),
     (["quantize", "--model", "embedded", "--seq-len", "0", "--out", "q"],
@@ -203,6 +201,12 @@ def test_cli_arguments_out_of_range(args, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(args) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_seed_past_64_bits_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "embedded", "--prompt", "x", "--seed", "1" + "0" * 23])
+    assert e.value.code == 2 and "does not fit in 64 bits" in capsys.readouterr().err
 
 
 def test_latin1_qa_file_is_named(tmp_path, capsys):

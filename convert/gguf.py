@@ -18,6 +18,12 @@ the file's ``tokenizer.ggml.pre`` (SmolLM's ``smollm``: every digit apart, then 
 pattern), its control tokens special, BOS added only where ``add_bos_token`` says so; the chat
 template is the file's ``tokenizer.chat_template``, rendered by transformers in its sandboxed
 Jinja environment.
+
+``keep_quantized``: the linears stored as Q4_0, Q4_1 or Q8_0 (blocks of 32 weights with a
+float16 scale, and Q4_1's float16 minimum) load as jaxllm.lowbit.QLowBit nodes, their codes
+read from the file's blocks and repacked, never dequantized: Q4_1 w = d·q + m is scale d,
+offset m; Q4_0 w = d·(q - 8) is offset -8d; Q8_0 w = d·q with q int8 is the code q + 128 and
+offset -128d, all exact in float32. Other tensors (the embedding, norms) load as float.
 """
 from __future__ import annotations
 
@@ -158,9 +164,36 @@ def dequantized(tensor) -> np.ndarray:
     return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
 
 
-def from_gguf(path: str, *, dtype=np.float32, progress: bool = False
-              ) -> tuple[ModelConfig, dict]:
-    """``(cfg, params)`` of a GGUF file, its tensors dequantized to ``dtype``."""
+# Block layouts (bytes per block of 32): a float16 scale d, Q4_1's float16 minimum m, then the
+# codes: 16 bytes of nibbles (elements 0-15 low, 16-31 high) or 32 int8.
+_BLOCKS = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}
+# GGUF linear (after "blk.N.") -> its jaxllm parameter (after "layer_N/").
+_LINEARS = {"attn_q": "attn/q", "attn_k": "attn/k", "attn_v": "attn/v", "attn_output": "attn/o",
+            "ffn_gate": "mlp/gate", "ffn_up": "mlp/up", "ffn_down": "mlp/down"}
+
+
+def block_codes(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(codes [out, in] uint8, scale, offset [out, in / 32] float32, bits) of a Q4_0, Q4_1 or
+    Q8_0 tensor, read from its blocks: ŵ = code·scale + offset per block of 32."""
+    from gguf import GGMLQuantizationType
+    kind = GGMLQuantizationType(tensor.tensor_type).name
+    size, has_min = _BLOCKS[kind]
+    out, n = _shape(tensor)
+    raw = np.asarray(tensor.data, np.uint8).reshape(out, n // 32, size)
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = raw[..., 2:].copy().view(np.int8).astype(np.int16) + 128
+        return q.reshape(out, n).astype(np.uint8), d, -128 * d, 8
+    nib = raw[..., 4 if has_min else 2:]
+    q = np.concatenate([nib & 0xF, nib >> 4], axis=-1).reshape(out, n)  # 0-15 low, 16-31 high
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * d
+    return q, d, m, 4
+
+
+def from_gguf(path: str, *, dtype=np.float32, progress: bool = False,
+              keep_quantized: bool = False) -> tuple[ModelConfig, dict]:
+    """``(cfg, params)`` of a GGUF file, its tensors dequantized to ``dtype``; with
+    ``keep_quantized`` its Q4_0/Q4_1/Q8_0 linears as low-bit nodes (the module's note)."""
     from .hf import from_tensors
     path = os.fspath(path)
     reader = _reader(path)
@@ -173,12 +206,49 @@ def from_gguf(path: str, *, dtype=np.float32, progress: bool = False
     by_hf = {hf_name(n): n for n in tensors}
     heads = {"q_proj": hf_cfg["num_attention_heads"], "k_proj": hf_cfg["num_key_value_heads"]}
 
+    kept = set()
+    if keep_quantized:  # replaced below by their codes: not dequantized only to be dropped
+        from gguf import GGMLQuantizationType
+        kept = {hf_name(n) for n, t in tensors.items() if n.split(".")[2:3] and
+                n.split(".")[2] in _LINEARS and
+                GGMLQuantizationType(t.tensor_type).name in _BLOCKS}
+
     def get(name: str) -> np.ndarray:
+        if name in kept:
+            return np.broadcast_to(np.float32(0), _shape(tensors[by_hf[name]]))
         a = dequantized(tensors[by_hf[name]])
         proj = name.split(".")[-2]
         return unpermute(a, heads[proj]) if proj in heads else a
 
-    return from_tensors(hf_cfg, get, list(by_hf), path, dtype=dtype, progress=progress)
+    cfg, params = from_tensors(hf_cfg, get, list(by_hf), path, dtype=dtype, progress=progress)
+    if keep_quantized:
+        params = _keep_quantized(params, tensors, heads)
+    return cfg, params
+
+
+def _keep_quantized(params, tensors: dict, heads: dict):
+    from gguf import GGMLQuantizationType
+
+    from jaxllm import lowbit, tree
+    flat = tree.flatten(params)
+    proj = {"attn_q": heads["q_proj"], "attn_k": heads["k_proj"]}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LINEARS or \
+                GGMLQuantizationType(t.tensor_type).name not in _BLOCKS:
+            continue
+        arrays = block_codes(t)[:3]
+        if parts[2] in proj:  # llama.cpp's query/key row order, undone row by row
+            arrays = [unpermute(a, proj[parts[2]]) for a in arrays]
+        codes, scale, offset = arrays
+        # The file's scales are float16, and so are its offsets where exact (Q4_1's minimum
+        # always; -8d and -128d unless they overflow float16): the file's bytes.
+        half = [a.astype(np.float16) for a in (scale, offset)]
+        if all(np.array_equal(h.astype(np.float32), a) for h, a in zip(half, (scale, offset))):
+            scale, offset = half
+        node = lowbit.encode(codes, scale, offset, block_codes(t)[3], 32)
+        flat[f"layer_{parts[1]}/{_LINEARS[parts[2]]}/kernel"] = node
+    return tree.unflatten(flat)
 
 
 def _shape(tensor) -> tuple[int, ...]:
@@ -242,9 +312,9 @@ def gguf_tokenizer(path: str):
     return HFTokenizer.of(tokenizer_from_gguf(path), os.path.abspath(path))
 
 
-def load(path: str):
+def load(path: str, keep_quantized: bool = False):
     """The reader's load: ``(cfg, params, tokenizer)``."""
-    cfg, params = from_gguf(path)
+    cfg, params = from_gguf(path, keep_quantized=keep_quantized)
     return cfg, params, gguf_tokenizer(path)
 
 

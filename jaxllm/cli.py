@@ -77,17 +77,26 @@ WEIGHTS_HELP = ("weights as stored, or kept [out, in] for decoding in float32, b
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="stored",
                    choices=["stored", "float32", "bfloat16", "float16"], help=WEIGHTS_HELP)
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="a GGUF file's Q4_0/Q4_1/Q8_0 linears as 4- and 8-bit weights (the "
+                        "file's codes, never dequantized; jaxllm.lowbit) instead of float32")
 
 
-def load(model: str, need_tokenizer: bool = True, weights: str = "stored"):
+def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
+         keep_quantized: bool = False):
     """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError.
-    ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`."""
+    ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`;
+    ``keep_quantized``: a GGUF file's 4- and 8-bit linears kept as they are."""
     from .io import TOKENIZER_DIR, load_model, reader_for
     from .quant import decode_weights
+    if keep_quantized and weights != "stored":
+        raise CliError(f"--weights {weights} converts float weights; --keep-quantized keeps "
+                       f"the file's codes: give one of them")
     try:
-        cfg, params, tok = load_model(model)
+        cfg, params, tok = load_model(model, keep_quantized=keep_quantized)
     except (ValueError, FileNotFoundError, ImportError) as e:
-        raise CliError(str(e)) from None
+        raise CliError(str(e).replace("keep_quantized applies", "--keep-quantized applies")) \
+            from None
     if weights != "stored":
         try:
             params = decode_weights(params, weights)
@@ -314,7 +323,7 @@ def cmd_ppl(a) -> None:
     for path in (a.json, a.plot):
         if path:
             make_parent(path)
-    cfg, params, tok = load(a.model, weights=a.weights)
+    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
     ids = tok.encode(text)
     if a.max_tokens:
         if a.max_tokens < 2:
@@ -437,7 +446,7 @@ def cmd_generate(a) -> None:
     if a.sinks < 0 or a.cache <= a.sinks:
         raise CliError(f"--cache {a.cache} must exceed --sinks {a.sinks} (>= 0): the window "
                        f"(--cache - --sinks) holds the recent tokens")
-    cfg, params, tok = load(a.model, weights=a.weights)
+    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
     try:
         sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)

@@ -453,15 +453,18 @@ def reader_for(path: str) -> Optional[ModelReader]:
     return next((r for r in model_readers() if r.detect(path)), None)
 
 
-def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+def load_model(spec: str, sharding=None, keep_quantized: bool = False
+               ) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
     """``(cfg, params, tokenizer)`` from a packaged model (``smollm2``), a GGUF file, a jaxllm
     model directory, a Hugging Face directory, ``embedded`` / ``embedded-sink`` or
     ``random:PRESET[:SEED]``. ``tokenizer`` is None when none ships with the model.
 
     ``sharding``: a ``jax.sharding.Sharding`` for every parameter, or a pytree of them matching
-    the parameters; orbax checkpoints are restored straight into it.
+    the parameters; orbax checkpoints are restored straight into it. ``keep_quantized`` (GGUF
+    files): their Q4_0/Q4_1/Q8_0 linears load as low-bit nodes, never dequantized
+    (convert.gguf).
     """
-    if spec.startswith("random:"):
+    if spec.startswith("random:") and not keep_quantized:
         cfg, params, tok = _load_random(spec)
         return cfg, _place(params, sharding), tok
     if spec in EMBEDDED:
@@ -469,8 +472,12 @@ def load_model(spec: str, sharding=None) -> tuple[ModelConfig, dict, Optional[To
     elif spec in PACKAGED:
         spec = packaged_path(spec)
     reader = reader_for(spec) if os.path.exists(spec) else None
+    if keep_quantized and (reader is None or reader.name != "GGUF"):
+        raise ValueError(f"keep_quantized applies to GGUF files (their 4- and 8-bit blocks); "
+                         f"{spec} is not one")
     if reader is not None:
-        cfg, params, tok = reader.load(spec)
+        cfg, params, tok = reader.load(spec, keep_quantized=True) if keep_quantized else \
+            reader.load(spec)
         return cfg, _place(params, sharding), tok
     if not os.path.isdir(spec):
         what = "not a model file" if os.path.isfile(spec) else "no such file or directory"

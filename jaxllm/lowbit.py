@@ -9,7 +9,8 @@ of its bits, 4 bits: 8), code j of word w being column w·per + j (the input pad
 codes to whole words: 576 columns are 58 words of 3-bit codes, the last holding 6); 8-bit codes
 one per byte. Group g covers input columns [g·G, (g+1)·G); a group
 size that does not divide the input width leaves a shorter last group (128 into 576: four of
-128 and one of 64). Scales and offsets are float32: exactly what the quantizer used.
+128 and one of 64). Scales and offsets are float32, exactly what GPTQ's quantizer used, or
+float16 where that is exact (a GGUF file's).
 
 A linear holding a :class:`QLowBit` multiplies by dequantizing inside the compiled step
 (:func:`matmul`): one layer's float weight at a time, never the model's.
@@ -47,7 +48,8 @@ def unpack(words, bits: int, n: int):
 @struct.dataclass
 class QLowBit:
     """A weight-only k-bit linear [out, in]: ``codes`` [out, ceil(in / per)] uint32 (2, 3, 4
-    bits) or [out, in] uint8 (8 bits); ``scale``, ``offset`` [out, groups] float32."""
+    bits) or [out, in] uint8 (8 bits); ``scale``, ``offset`` [out, groups] float32 (or
+    float16)."""
 
     codes: Array
     scale: Array
@@ -85,13 +87,15 @@ def expand(per_group: Float[Array, "o g"], group: int, in_features: int) -> Floa
 
 
 def encode(codes, scale, offset, bits: int, group: int) -> QLowBit:
-    """A node from integer codes [out, in] (0..2^bits - 1) and per-group scale, offset."""
+    """A node from integer codes [out, in] (0..2^bits - 1) and per-group scale, offset (kept
+    float16 when given so, e.g. a GGUF file's exact float16 scales; float32 otherwise)."""
     out, in_features = codes.shape
     check(bits, group, in_features)
     c = jnp.asarray(codes).astype(jnp.uint8)
-    return QLowBit(pack(c, bits) if bits in PACKED else c, jnp.asarray(scale, jnp.float32),
-                   jnp.asarray(offset, jnp.float32), bits=bits, group=group,
-                   in_features=in_features)
+    keep = lambda a: jnp.asarray(a, jnp.float16 if jnp.asarray(a).dtype == jnp.float16  # noqa
+                                 else jnp.float32)
+    return QLowBit(pack(c, bits) if bits in PACKED else c, keep(scale), keep(offset),
+                   bits=bits, group=group, in_features=in_features)
 
 
 def codes_of(node: QLowBit) -> Array:
@@ -104,14 +108,21 @@ def codes_of(node: QLowBit) -> Array:
 def dequantize(node: QLowBit, dtype=jnp.float32) -> Float[Array, "o i"]:
     """ŵ = code·scale + offset, [out, in] (the K-major weight)."""
     c = codes_of(node).astype(jnp.float32)
-    w = c * expand(node.scale, node.group, node.in_features) + \
-        expand(node.offset, node.group, node.in_features)
+    w = c * expand(node.scale.astype(jnp.float32), node.group, node.in_features) + \
+        expand(node.offset.astype(jnp.float32), node.group, node.in_features)
     return w.astype(dtype)
+
+
+# A weight of at most this many elements is dequantized whole (16 MiB of float32; a small
+# model's every linear): one product instead of a loop, which compiles in a fraction of the time.
+WHOLE_ELEMENTS = 1 << 22
 
 
 def chunk_columns(node: QLowBit) -> int:
     """Input columns per step of :func:`matmul`: whole words and whole groups, at least 128
-    (the input width when it is smaller)."""
+    (the input width when it is smaller, or the weight small: WHOLE_ELEMENTS)."""
+    if node.codes.shape[0] * node.in_features <= WHOLE_ELEMENTS:
+        return node.in_features
     per = 32 // node.bits if node.bits in PACKED else 1
     c = np.lcm(node.group, per)
     c *= -(-128 // c)
@@ -133,8 +144,8 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[
     def part(words, sc, of, xc):  # the product over some columns, from their stored form
         width = xc.shape[1]
         codes = unpack(words, node.bits, width) if node.bits in PACKED else words
-        w = codes.astype(jnp.float32) * expand(sc, node.group, width) + \
-            expand(of, node.group, width)  # [out, width]
+        w = codes.astype(jnp.float32) * expand(sc.astype(jnp.float32), node.group, width) + \
+            expand(of.astype(jnp.float32), node.group, width)  # [out, width]
         return jnp.einsum("mc,oc->mo", xc, w, preferred_element_type=jnp.float32)
 
     full = n // C if C < n else 0

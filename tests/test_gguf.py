@@ -250,3 +250,39 @@ def test_gptq_beats_rtn_on_the_real_models_activations(real):
                                       gptq.hessian(x) / x.shape[0])
         e_gptq, e_rtn = gptq.output_error(kernel, got, x), gptq.output_error(kernel, rtn, x)
         assert e_gptq < 0.8 * e_rtn, (bits, e_gptq, e_rtn)
+
+
+def test_keep_quantized_reads_the_files_blocks(real):
+    """--keep-quantized: every Q4_1 linear becomes a 4-bit node whose codes are the file's
+    nibbles (unpacked here by numpy: low nibbles elements 0-15, high 16-31; q/k rows back in
+    HF order), at no more than 1.05x the file's bytes, with the float load's logits."""
+    from gguf import GGUFReader
+
+    from jaxllm import lowbit, tree
+    _, _, cfg, params, tok = real
+    cfg_q, params_q, _ = jaxllm.load_model("smollm2", keep_quantized=True)
+    reader = GGUFReader(_real_file())
+    tensors = {t.name: t for t in reader.tensors}
+    flat = tree.flatten(params_q)
+    file_bytes = ours = 0
+    for name, path, heads in (("blk.0.attn_k.weight", "layer_0/attn/k/kernel", 3),
+                              ("blk.7.ffn_down.weight", "layer_7/mlp/down/kernel", None)):
+        raw = np.asarray(tensors[name].data, np.uint8)
+        out = raw.shape[0]
+        nib = raw.reshape(out, -1, 20)[..., 4:]
+        want = np.concatenate([nib & 15, nib >> 4], -1).reshape(out, -1)
+        if heads:  # llama.cpp interleaves each head's rotary halves: rows (2i, 2i+1) -> (i, i+d/2)
+            want = want.reshape(heads, -1, 2, want.shape[1]).swapaxes(1, 2).reshape(want.shape)
+        np.testing.assert_array_equal(np.asarray(lowbit.codes_of(flat[path])), want)
+    for k, v in flat.items():
+        if isinstance(v, lowbit.QLowBit):
+            parts = k.split("/")
+            g = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+                 "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}[parts[2]]
+            file_bytes += tensors[f"blk.{parts[0][6:]}.{g}.weight"].n_bytes
+            ours += v.nbytes
+    assert ours <= 1.05 * file_bytes, (ours, file_bytes)
+    ids = np.asarray(tok.encode(TEXTS[0]))[None]
+    np.testing.assert_allclose(np.asarray(jaxllm.forward(params_q, cfg_q, ids)[0]),
+                               np.asarray(jaxllm.forward(params, cfg, ids)[0]),
+                               atol=2e-4, rtol=1e-4)

@@ -93,7 +93,7 @@ def test_gptq_with_a_scaled_identity_hessian_is_rtn(group):
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_low_bit_product_is_numpy_unpack_dequantize_matmul(bits):
+def test_low_bit_product_is_numpy_unpack_dequantize_matmul(bits, monkeypatch):
     """Codes packed by the layout, unpacked here bit by bit (word w, field j = column w·per+j),
     times scale plus offset per group (a ragged last group), then the product (which goes in
     chunks of whole words and groups, and a shorter last one: 700 = 2 x 320 + 60 at 3 bits)."""
@@ -112,9 +112,13 @@ def test_low_bit_product_is_numpy_unpack_dequantize_matmul(bits):
     np.testing.assert_array_equal(got_codes, codes)
     w = codes * np.repeat(scale, G, 1)[:, :n] + np.repeat(offset, G, 1)[:, :n]
     x = rng.standard_normal((4, n))
+    want = x @ np.asarray(w, np.float32).T
+    got = lowbit.matmul(jnp.asarray(x, jnp.float32), node)  # small: dequantized whole
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(lowbit, "WHOLE_ELEMENTS", 0)  # as a large weight goes: in chunks
+    assert lowbit.chunk_columns(node) < n
     got = lowbit.matmul(jnp.asarray(x, jnp.float32), node)
-    np.testing.assert_allclose(np.asarray(got), x @ np.asarray(w, np.float32).T, rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 def test_quantized_model_saves_loads_and_refuses_requantizing(tmp_path):

@@ -35,8 +35,8 @@ per head and rotation, too few for a matrix unit), in float32. Two lowerings of 
 (``_block``), as pallas_kernels.flash: ``triton`` (a program per (row, split) walks its blocks
 in a loop, the last block of the slots moved back to end at the last slot, its repeated slots
 masked) and ``tpu`` (the blocks as the last grid axis, the state in VMEM scratch; the slots past
-the end of a partial last block masked). Both run on CPU in interpret mode; :func:`reference`
-is the jnp form of the same computation.
+the end of a partial last block masked). Both run on CPU in interpret mode;
+pallas_kernels.reference.decode_partials is the jnp form of the same computation.
 """
 from __future__ import annotations
 
@@ -489,54 +489,3 @@ def merge(m: Float[Array, "... s g"], l: Float[Array, "... s g"],
     acc_axis = axis - 1 if axis < 0 else axis  # acc has one more (trailing) axis
     return (jnp.squeeze(M, axis), jnp.sum(l * w, axis=axis),
             jnp.sum(acc * w[..., None], axis=acc_axis))
-
-
-def dequantize(arrays: tuple, lay: Layout, D: int) -> Float[Array, "n l d"]:
-    """A side's slots as float32 [N, L, D] in the natural channel order (the reference's
-    reading, array by array, of what the kernel reads a block at a time)."""
-    x = arrays[0]
-    if lay.packed:
-        shifts = (lay.bits * jnp.arange(lay.per, dtype=jnp.uint32))[:, None]  # [per, 1]
-        f = (x[..., None, :] >> shifts) & jnp.uint32((1 << lay.bits) - 1)  # [N, L, per, P]
-        x = unpermute(f.reshape(*x.shape[:2], D), lay.per)
-    x = x.astype(jnp.float32)
-    if lay.kind == "float":
-        return x
-    if lay.kind == "int8":
-        return x * arrays[1].astype(jnp.float32)
-    if lay.kind == "token":
-        Gc = lay.channel_group(D)
-        rep = lambda a: jnp.repeat(a.astype(jnp.float32), Gc, axis=-1)  # noqa: E731
-        return x * rep(arrays[1]) + rep(arrays[2])
-    rep = lambda a: unpermute(jnp.repeat(a.astype(jnp.float32), lay.group, axis=1),  # noqa
-                              lay.per)
-    return x * rep(arrays[1]) + rep(arrays[2])
-
-
-def reference(q, keys, values, pick, dist=None, slopes=None, rope=None, *, k_layout: Layout,
-              v_layout: Layout):
-    """:func:`partials` over all the slots as one split, in jnp: the sides dequantized whole,
-    the keys rotated by each slot's own angle (not by angle addition), one softmax ->
-    (m, l [N, G], acc [N, G, D]), acc permuted as the kernel's."""
-    N, Rq, G, D = q.shape
-    B, L = pick.shape
-    KVH, per = N // B, k_layout.per
-    k, v = dequantize(keys, k_layout, D), dequantize(values, v_layout, D)
-    if rope is not None:
-        ang = (rope.first + jnp.arange(L, dtype=jnp.int32)).astype(jnp.float32)[None, :, None] \
-            * rope.freq.astype(jnp.float32)[:, None, :]  # [B, L, D/2]
-        cos, sin = (jnp.repeat(rope.scale * t, KVH, axis=0) for t in (jnp.cos(ang), jnp.sin(ang)))
-        a, b = k[..., :D // 2], k[..., D // 2:]
-        k = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
-    by_row = lambda a: jnp.repeat(a, KVH, axis=0)  # noqa: E731  [B, ...] -> [N, ...]
-    s = jnp.einsum("nrgd,nld->nrgl", unpermute(q.astype(jnp.float32), per), k)
-    p = by_row(pick)[:, None, None, :]  # [N, 1, 1, L]
-    s = jnp.take_along_axis(s, jnp.clip(p, 0, Rq - 1), axis=1)[:, 0]  # [N, G, L]
-    if dist is not None:
-        s = s - slopes.astype(jnp.float32)[..., None] * by_row(dist)[:, None, :].astype(
-            jnp.float32)
-    ok = p[:, 0] >= 0
-    s = jnp.where(ok, s, NEG_INF)
-    m = jnp.max(s, -1)
-    e = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
-    return m, e.sum(-1), permute(jnp.einsum("ngl,nld->ngd", e, v), per)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8
 
 QMAX = 127.0
+DECODE_NEG_INF = -1e30  # pallas_kernels.decode.NEG_INF
 
 
 K_MULTIPLE = 16
@@ -111,3 +112,58 @@ def int8_bmm(a: Int8[Array, "b m k"], b: Int8[Array, "b n k"], sa: Float[Array, 
     """Batched W8A8 product (attention's QKᵀ and PV) with scales on the outer dims."""
     acc = int8_einsum("bmk,bnk->bmn", a, b)
     return (acc.astype(jnp.float32) * sa[..., :, None] * sb[..., None, :]).astype(out_dtype)
+
+
+# ---- decode attention over stored slots (pallas_kernels.decode) ----------------------------------
+from .decode import permute, unpermute  # noqa: E402  (decode imports nothing from here)
+# Whole arrays dequantized, each key turned by its own angle: the kernel reads the same formats
+# a block at a time and turns keys by angle addition.
+def stored_slots(arrays: tuple, lay, D: int) -> Float[Array, "n l d"]:
+    """A side's slots as float32 [N, L, D] in the natural channel order (the reference's
+    reading, array by array, of what the kernel reads a block at a time)."""
+    x = arrays[0]
+    if lay.packed:
+        shifts = (lay.bits * jnp.arange(lay.per, dtype=jnp.uint32))[:, None]  # [per, 1]
+        f = (x[..., None, :] >> shifts) & jnp.uint32((1 << lay.bits) - 1)  # [N, L, per, P]
+        x = unpermute(f.reshape(*x.shape[:2], D), lay.per)
+    x = x.astype(jnp.float32)
+    if lay.kind == "float":
+        return x
+    if lay.kind == "int8":
+        return x * arrays[1].astype(jnp.float32)
+    if lay.kind == "token":
+        Gc = lay.channel_group(D)
+        rep = lambda a: jnp.repeat(a.astype(jnp.float32), Gc, axis=-1)  # noqa: E731
+        return x * rep(arrays[1]) + rep(arrays[2])
+    rep = lambda a: unpermute(jnp.repeat(a.astype(jnp.float32), lay.group, axis=1),  # noqa
+                              lay.per)
+    return x * rep(arrays[1]) + rep(arrays[2])
+
+
+def decode_partials(q, keys, values, pick, dist=None, slopes=None, rope=None, *, k_layout,
+                    v_layout):
+    """pallas_kernels.decode.partials over all the slots as one split, in jnp: the sides dequantized whole,
+    the keys rotated by each slot's own angle (not by angle addition), one softmax ->
+    (m, l [N, G], acc [N, G, D]), acc permuted as the kernel's."""
+    N, Rq, G, D = q.shape
+    B, L = pick.shape
+    KVH, per = N // B, k_layout.per
+    k, v = stored_slots(keys, k_layout, D), stored_slots(values, v_layout, D)
+    if rope is not None:
+        ang = (rope.first + jnp.arange(L, dtype=jnp.int32)).astype(jnp.float32)[None, :, None] \
+            * rope.freq.astype(jnp.float32)[:, None, :]  # [B, L, D/2]
+        cos, sin = (jnp.repeat(rope.scale * t, KVH, axis=0) for t in (jnp.cos(ang), jnp.sin(ang)))
+        a, b = k[..., :D // 2], k[..., D // 2:]
+        k = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+    by_row = lambda a: jnp.repeat(a, KVH, axis=0)  # noqa: E731  [B, ...] -> [N, ...]
+    s = jnp.einsum("nrgd,nld->nrgl", unpermute(q.astype(jnp.float32), per), k)
+    p = by_row(pick)[:, None, None, :]  # [N, 1, 1, L]
+    s = jnp.take_along_axis(s, jnp.clip(p, 0, Rq - 1), axis=1)[:, 0]  # [N, G, L]
+    if dist is not None:
+        s = s - slopes.astype(jnp.float32)[..., None] * by_row(dist)[:, None, :].astype(
+            jnp.float32)
+    ok = p[:, 0] >= 0
+    s = jnp.where(ok, s, DECODE_NEG_INF)
+    m = jnp.max(s, -1)
+    e = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
+    return m, e.sum(-1), permute(jnp.einsum("ngl,nld->ngd", e, v), per)

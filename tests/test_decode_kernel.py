@@ -1,5 +1,5 @@
 """The stored-format decode kernel (pallas_kernels.decode): every storage format, read as stored
-and dequantized in registers, against the jnp reference that dequantizes whole arrays and turns
+and dequantized in registers, against the jnp reference (pallas_kernels.reference.decode_partials) that dequantizes whole arrays and turns
 each key by its own angle; then whole decode steps through a wrapping sink + ring cache, kernel
 (interpreted) against the XLA form; and both lowerings at the shapes we ship."""
 import dataclasses
@@ -15,6 +15,7 @@ from jaxllm.kv import cache as kvc
 from jaxllm.kv import quantized as kq
 from jaxllm.model import apply
 from pallas_kernels import decode as kd
+from pallas_kernels import reference
 
 
 def _stored(rng, lay: kd.Layout, N: int, L: int, D: int):
@@ -73,7 +74,7 @@ def test_kernel_reads_each_format_as_the_reference(case):
     m, l, acc = kd.partials(q, keys, values, pick, dist, slopes, rope, splits=3, bk=bk,
                             backend=backend, interpret=True, **kw)
     m, l, acc = kd.merge(m, l, acc, axis=1)
-    rm, rl, racc = kd.reference(q, keys, values, pick, dist, slopes, rope, **kw)
+    rm, rl, racc = reference.decode_partials(q, keys, values, pick, dist, slopes, rope, **kw)
     np.testing.assert_allclose(acc / l[..., None], racc / rl[..., None], atol=3e-5, rtol=1e-4)
 
 

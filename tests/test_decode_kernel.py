@@ -95,8 +95,8 @@ STEPS = {  # model, cache dtype, KV quantization, window
     "llama GQA, bfloat16 (keys stored rotated)": (LLAMA, jnp.bfloat16, None, 13),
     "ALiBi + softmax-off-by-one, int8": (dataclasses.replace(MPT, sink="zero"), jnp.float32,
                                          kq.KVQuant("int8", 8), 13),
-    "KIVI-2, R = 16 not dividing the window 21": (LLAMA, jnp.float32,
-                                                 kq.KVQuant("kivi", 2, 16, residual=16), 21),
+    "KIVI-4, R = 8 not dividing the window 13": (LLAMA, jnp.float32,
+                                                kq.KVQuant("kivi", 4, 8, residual=8), 13),
 }
 
 

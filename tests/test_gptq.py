@@ -125,7 +125,7 @@ def test_quantized_model_saves_loads_and_refuses_requantizing(tmp_path):
     from conftest import LLAMA
     LLAMA = dataclasses.replace(LLAMA, num_layers=1)
     params = jaxllm.init_params(LLAMA, jax.random.key(0))
-    toks = np.asarray(jax.random.randint(jax.random.key(1), (4, 32), 0, LLAMA.vocab_size))
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (2, 16), 0, LLAMA.vocab_size))
     q, info = gptq.quantize_model(params, LLAMA, toks, gptq.GPTQConfig(bits=4, group=16,
                                                                       true_sequential=True))
     assert set(info["layers"]) == {f"layer_{i}/{n}" for i in range(LLAMA.num_layers)
@@ -133,11 +133,10 @@ def test_quantized_model_saves_loads_and_refuses_requantizing(tmp_path):
                                              "mlp/up", "mlp/gate", "mlp/down")}
     assert info["linear_bytes"] < info["float_linear_bytes"] / 3  # 4 bits + 2 floats per 16
     want = jaxllm.forward(q, LLAMA, toks[:1])[0]
-    for fmt in ("safetensors", "orbax"):
-        jaxllm.save_model(str(tmp_path / fmt), LLAMA, q, format=fmt)
-        cfg, back, _ = jaxllm.load_model(str(tmp_path / fmt))
-        np.testing.assert_array_equal(np.asarray(jaxllm.forward(back, cfg, toks[:1])[0]),
-                                      np.asarray(want))
+    jaxllm.save_model(str(tmp_path / "m"), LLAMA, q)  # (orbax stores the same plain tree)
+    cfg, back, _ = jaxllm.load_model(str(tmp_path / "m"))
+    np.testing.assert_array_equal(np.asarray(jaxllm.forward(back, cfg, toks[:1])[0]),
+                                  np.asarray(want))
     with pytest.raises(ValueError, match="already quantized"):
         gptq.quantize_model(q, LLAMA, toks, gptq.GPTQConfig())
 

@@ -126,8 +126,7 @@ def test_quantized_model_saves_loads_and_refuses_requantizing(tmp_path):
     LLAMA = dataclasses.replace(LLAMA, num_layers=1)
     params = jaxllm.init_params(LLAMA, jax.random.key(0))
     toks = np.asarray(jax.random.randint(jax.random.key(1), (2, 16), 0, LLAMA.vocab_size))
-    q, info = gptq.quantize_model(params, LLAMA, toks, gptq.GPTQConfig(bits=4, group=16,
-                                                                      true_sequential=True))
+    q, info = gptq.quantize_model(params, LLAMA, toks, gptq.GPTQConfig(bits=4, group=16))
     assert set(info["layers"]) == {f"layer_{i}/{n}" for i in range(LLAMA.num_layers)
                                    for n in ("attn/q", "attn/k", "attn/v", "attn/o",
                                              "mlp/up", "mlp/gate", "mlp/down")}
@@ -139,6 +138,14 @@ def test_quantized_model_saves_loads_and_refuses_requantizing(tmp_path):
                                   np.asarray(want))
     with pytest.raises(ValueError, match="already quantized"):
         gptq.quantize_model(q, LLAMA, toks, gptq.GPTQConfig())
+
+
+def test_true_sequential_stages_follow_the_authors_order():
+    names = ["attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down",
+             "mlp/extra"]
+    assert gptq._stages(names, True) == [["attn/q", "attn/k", "attn/v"], ["attn/o"],
+                                         ["mlp/up", "mlp/gate"], ["mlp/down"], ["mlp/extra"]]
+    assert gptq._stages(names, False) == [names]
 
 
 def test_decode_loop_holds_no_float_copy_of_4_bit_weights():

@@ -88,8 +88,13 @@ def test_unreadable_layouts_are_refused_by_name():
 
 LLAMA = jaxllm.ModelConfig.llama(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
                                  num_kv_heads=1, intermediate_size=48)  # head dim 32, GQA 2
+MPT = jaxllm.ModelConfig.gpt_neox(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
+                                  rotary_pct=0.0)
+MPT = dataclasses.replace(MPT, family="mpt", pos_emb="alibi", norm_bias=False, attn_bias=False,
+                          mlp_bias=False, sink="zero")  # ALiBi, softmax-off-by-one
 STEPS = {  # model, cache dtype, KV quantization, window
     "llama GQA, bfloat16 (keys stored rotated)": (LLAMA, jnp.bfloat16, None, 13),
+    "ALiBi + softmax-off-by-one, int8": (MPT, jnp.float32, kq.KVQuant("int8", 8), 13),
     "KIVI-4, R = 8 not dividing the window 13": (LLAMA, jnp.float32,
                                                 kq.KVQuant("kivi", 4, 8, residual=8), 13),
 }
@@ -100,8 +105,9 @@ def test_decode_steps_through_the_kernel_equal_the_xla_form(case, monkeypatch):
     """Prefill two rows of different lengths, then decode until the 2 + W ring has wrapped: the
     kernel's logits (interpreted) are the XLA form's (jaxllm.attention.decode; KIVI's, which
     reads before it writes: jaxllm.attention.ring), to float32 rounding, for a cache of every
-    kind of key (rotated when stored; turned in the kernel: KIVI's). ALiBi and each format's
-    reading are the test above's."""
+    kind of key (rotated when stored; turned in the kernel: KIVI's; no RoPE, with ALiBi and
+    softmax-off-by-one's virtual key folded in beside the kernel). Each format's reading is the
+    test above's."""
     cfg, dtype, kvq, window = STEPS[case]
     import pallas_kernels.decode as kernel
     calls = []

@@ -3,8 +3,8 @@ machine: the whole step (parameters, Adam's moments, the batch, the gradients an
 temporary) compiled on abstract arrays, nothing allocated (train.loop.step_bytes, the figure
 the training loop checks against the device before its first step).
 
-The Pythia-160M recipe at 16 x 2,048 needed 97.7 GiB on an H200 with the attention scores
-materialised (docs/gpu/2026-11-26-h200 in the issue tracker's logs). Compiled for this machine's
+The Pythia-160M recipe at 16 x 2,048 needed 97.7 GiB on an H200 (a run of 2026-11-26) while the
+attention scores were still materialised. Compiled for this machine's
 backend: on a CPU the figure includes XLA:CPU's float32 copies of bfloat16 operands.
 
     python benchmarks/train_memory.py [--recipe pythia-160m] [--shapes 16x2048,8x2048]

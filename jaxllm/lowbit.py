@@ -130,11 +130,11 @@ def chunk_columns(node: QLowBit) -> int:
 
 
 def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[Array, "... o"]:
-    """x @ ŵᵀ, products in float32, the result in ``dtype``. The weight is dequantized a chunk
-    of input columns at a time inside a loop (:func:`chunk_columns`), so no float copy of it is
-    ever whole: dequantized whole, XLA:CPU kept every layer's float weight alive at once (0.75
-    GiB a Llama-2-7B layer). Columns past the last whole chunk (whole words and groups from
-    its start) are a last, shorter step."""
+    """x @ ŵᵀ, products in float32, the result in ``dtype``. A large weight is dequantized a
+    chunk of input columns at a time inside a loop (:func:`chunk_columns`), so no float copy of
+    it is ever whole, and a compiled program cannot hold every layer's at once
+    (docs/KERNELS.md, "Low-bit weights"). Columns past the last whole chunk (whole words and
+    groups from its start) are a last, shorter step."""
     lead, n = x.shape[:-1], node.in_features
     xf = x.astype(dtype).astype(jnp.float32).reshape(-1, n)
     C = chunk_columns(node)

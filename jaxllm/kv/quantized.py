@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float
 
+from ..lowbit import pack, unpack  # the one packing: code j of word w is channel w·per + j
+
 FORMATS = ("none", "int8", "token", "kivi")
 BITS = {"none": (16, 32), "int8": (8,), "token": (2, 3, 4, 8), "kivi": (2, 4, 8)}
 PACKED = (2, 4)  # bit widths packed into uint32 words
@@ -121,22 +123,6 @@ class KVQuant:
 
 
 # ---- the quantizers (pure functions over [..., D]) ------------------------------------------------
-
-def pack(codes, bits: int):
-    """uint8 codes [..., D] -> uint32 [..., D·bits/32], code j of a word in bits [bits·j, ...)."""
-    per = 32 // bits
-    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).astype(jnp.uint32)
-    shifts = (bits * jnp.arange(per, dtype=jnp.uint32))
-    return jnp.sum(c << shifts, axis=-1, dtype=jnp.uint32)  # fields do not overlap: sum = or
-
-
-def unpack(words, bits: int, n: int):
-    """Inverse of :func:`pack`: uint32 [..., n·bits/32] -> uint8 codes [..., n]."""
-    per = 32 // bits
-    shifts = (bits * jnp.arange(per, dtype=jnp.uint32))
-    c = (words[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
-    return c.reshape(*words.shape[:-1], n).astype(jnp.uint8)
-
 
 def round_to(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
     """``x`` rounded to the 2-byte float ``dtype`` (float16, bfloat16), kept float32: a rounding

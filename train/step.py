@@ -121,13 +121,13 @@ def measured_tflops(n: int = 8192, reps: int = 10) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
 
     @jax.jit
-    def chain(x):
+    def chain(x, w):  # w an argument: a closed-over array would be a constant in the program
         for _ in range(reps):
-            x = jnp.dot(x, a, preferred_element_type=jnp.float32).astype(jnp.bfloat16) * 0.01
+            x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16) * 0.01
         return x
-    chain(a).block_until_ready()
+    chain(a, a).block_until_ready()
     t0 = time.perf_counter()
-    chain(a).block_until_ready()
+    chain(a, a).block_until_ready()
     return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
 
 

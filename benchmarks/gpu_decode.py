@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxllm  # noqa: E402
-from jaxllm import smoothquant as sq  # noqa: E402
+from jaxllm import gptq, smoothquant as sq  # noqa: E402
 from jaxllm.attention import flash  # noqa: E402
 from jaxllm.kv.cache import kv_bytes  # noqa: E402
 from jaxllm.kv.quantized import KVQuant  # noqa: E402
@@ -52,7 +52,7 @@ from jaxllm.model import apply  # noqa: E402
 KV_FORMATS = {"bf16": KVQuant(), "int8": KVQuant("int8"), "token-4": KVQuant("token", 4, 32),
               "token-2": KVQuant("token", 2, 32), "kivi-4": KVQuant("kivi", 4, 32, residual=32),
               "kivi-2": KVQuant("kivi", 2, 32, residual=32)}
-WEIGHT_FORMATS = ("bf16", "w8a8", "w8")
+WEIGHT_FORMATS = ("bf16", "w8a8", "w8", "w4")  # w4: 4-bit groups of 128 (RTN), Pallas kernel
 
 
 def fit(spec: KVQuant, head_dim: int) -> KVQuant:
@@ -66,8 +66,13 @@ def fit(spec: KVQuant, head_dim: int) -> KVQuant:
 def weights(name: str, cfg, params):
     """(cfg, params) of a weight format; compute in bfloat16."""
     cfg = dataclasses.replace(cfg, dtype="bfloat16")
+    if name in ("bf16", "w4"):
+        params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
     if name == "bf16":
-        return cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+        return cfg, params
+    if name == "w4":  # GPTQ's layout (embedding, head, norms bf16); RTN needs no calibration
+        return cfg, gptq.quantize_model(params, cfg, np.zeros((1, 8), np.int32),
+                                        gptq.GPTQConfig("rtn", 4, 128))[0]
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 4096)
     q = sq.quantize(params, cfg, ids, {"w8": "w8", "w8a8": "o1"}[name], smooth=False,
                     calib=sq.CalibConfig(n_seqs=2, seq_len=64, batch=2))
@@ -179,8 +184,8 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=4092)
     ap.add_argument("--kv", default="bf16,int8,token-4,kivi-2", help="of " + ", ".join(KV_FORMATS))
-    ap.add_argument("--weights", default="bf16,w8a8,w8",
-                    help="of " + ", ".join(WEIGHT_FORMATS) + "; w8a8 and w8 run with a bf16 cache")
+    ap.add_argument("--weights", default="bf16,w8a8,w8,w4",
+                    help="of " + ", ".join(WEIGHT_FORMATS) + "; these run with a bf16 cache")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--attention", default="auto",
                     help="attention forms for the KV rows, comma-separated: auto, pallas, "

@@ -1,8 +1,12 @@
 """The low-bit weight-only product (jaxllm.lowbit, GPTQ's and GGUF's layout) against W8
 (int8 weight-only, jaxllm.quant.weight_only_matmul) and float32 at the same shapes, on this
-machine: ms per call (best of n) at decode's few rows, compiled, the ratio to float32.
+machine: ms per call (best of n) at decode's few rows, compiled, the ratio to float32; then
+a whole decode step of a model (default the packaged SmolLM2-135M) with its linears in each
+format: ms per token of jaxllm.generate's compiled loop (a 4 + 252 cache, batch 1). The
+embedding and head stay float32 in every row, so the rows differ in the linears only.
 
     python benchmarks/lowbit_product.py [--shapes 576x1536,1536x576,4096x11008] [--rows 1,8]
+                                        [--model smollm2] [--steps 32]
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--model", default="smollm2", help="the decode-step table's model ('' skips)")
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -51,9 +57,37 @@ def main() -> None:
             rows.append(f"| {n_in} x {n_out} | {m} | {t_f:.3f} | {t_8:.3f} | {t_l:.3f} | "
                         f"{t_8 / t_f:.2f}x | {t_l / t_f:.2f}x |")
             print(rows[-1], flush=True)
-    record(f"Low-bit weight-only product vs W8 and float32 ({jax.devices()[0].platform})",
-           "\n".join(rows), notes="One run; the low-bit product dequantizes in the step "
-           "(jaxllm.lowbit.matmul), no kernel of its own yet.", dry=a.no_record)
+    if a.model:
+        rows += ["", *decode_rows(a.model, a.bits, a.group, a.steps)]
+    platform = jax.devices()[0].platform
+    record(f"Low-bit weight-only product and decode step vs W8 and float32 ({platform})",
+           "\n".join(rows), notes="One run. On CPU the low-bit product dequantizes inside the "
+           "step (jaxllm.lowbit.xla_matmul); on GPU/TPU the Pallas kernel "
+           "(pallas_kernels.packed_matmul) reads the packed codes.", dry=a.no_record)
+
+
+def decode_rows(model: str, bits: int, group: int, steps: int) -> list[str]:
+    """ms per decode step of ``model`` with float32, W8 and k-bit RTN linears."""
+    import jaxllm
+    from _record import time_generate
+    from jaxllm import smoothquant as sq
+    cfg, params, _ = jaxllm.load_model(model)
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    w8 = sq.quantize(params, cfg, np.zeros(512, np.int32), "w8", smooth=False,
+                     quantize_embedding=False, quantize_head=False,
+                     calib=sq.CalibConfig(n_seqs=1, seq_len=64, batch=1))
+    low, _ = gptq.quantize_model(params, cfg, np.zeros((1, 8), np.int32),
+                                 gptq.GPTQConfig("rtn", bits, group))
+    out = [f"| {model} decode step (4 + 252 cache, batch 1) | linears | ms per token | "
+           "vs float32 |", "|---|---|---:|---:|"]
+    base = None
+    for name, p in [("float32", params), ("W8", w8), (f"{bits}-bit g{group} RTN", low)]:
+        cache = jaxllm.init_cache(cfg, 1, sinks=4, window=252)
+        ms, _ = time_generate(p, cfg, cache, steps)
+        base = base or ms
+        out.append(f"| | {name} | {ms:.2f} | {ms / base:.2f}x |")
+        print(out[-1], flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ size that does not divide the input width leaves a shorter last group (128 into 
 128 and one of 64). Scales and offsets are float32, exactly what GPTQ's quantizer used, or
 float16 where that is exact (a GGUF file's).
 
-A linear holding a :class:`QLowBit` multiplies by dequantizing inside the compiled step
-(:func:`matmul`): one layer's float weight at a time, never the model's.
+A linear holding a :class:`QLowBit` multiplies without a float copy of the model's weights
+(:func:`matmul`): on GPU and TPU a Pallas kernel dequantizes in registers; XLA's form (CPU)
+dequantizes one layer's weight, or a chunk of it, at a time inside the compiled step.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float
+
+import pallas_kernels
+from pallas_kernels import packed_matmul as kernel
 
 BITS = (2, 3, 4, 8)
 PACKED = (2, 3, 4)
@@ -130,6 +134,33 @@ def chunk_columns(node: QLowBit) -> int:
 
 
 def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[Array, "... o"]:
+    """x @ ŵᵀ in ``dtype``. On a GPU or TPU the Pallas kernel (pallas_kernels.packed_matmul)
+    reads the packed codes and dequantizes in registers, x and ŵ rounded to ``dtype``, float32
+    sums; weights it does not take (3-bit codes, shapes in its ``supports``) and CPUs use
+    :func:`xla_matmul`. ``JAXLLM_INT8_BACKEND=xla`` chooses the XLA form everywhere."""
+    lead, n = x.shape[:-1], node.in_features
+    out = node.codes.shape[0]
+    x2 = x.reshape(-1, n)
+
+    def xla(x2):
+        return xla_matmul(x2, node, dtype)
+
+    def by(backend):
+        if kernel.supports(node.bits, node.group, n, out, backend) is not None:
+            return xla
+        return lambda x2: kernel.lowbit_matmul(
+            x2, node.codes, node.scale, node.offset, bits=node.bits, group=node.group,
+            in_features=n, dtype=dtype, backend=backend).astype(dtype)
+    if pallas_kernels.resolve_backend() == "xla":
+        y = xla(x2)
+    else:
+        y = jax.lax.platform_dependent(x2, cuda=by("triton"), rocm=by("triton"),
+                                       tpu=by("tpu"), default=xla)
+    return y.reshape(*lead, out)
+
+
+def xla_matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32
+               ) -> Float[Array, "... o"]:
     """x @ ŵᵀ, products in float32, the result in ``dtype``. A large weight is dequantized a
     chunk of input columns at a time inside a loop (:func:`chunk_columns`), so no float copy of
     it is ever whole, and a compiled program cannot hold every layer's at once

@@ -46,7 +46,7 @@ class Plan:
     num_stages: int = 4
 
 
-def _largest_divisor(n: int, cap: int, floor: int = 16) -> int:
+def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:
     """The largest power of two <= cap dividing n (at least ``floor``; 0 if none does)."""
     b = cap
     while b >= floor:
@@ -60,8 +60,8 @@ def plan_for(M: int, N: int, K: int) -> Plan:
     """Blocks that divide N and K (128 x 256 at most; a weight no power of two >= 16 divides is
     padded instead), and splits of K that bring the programs to about TARGET_PROGRAMS (the last
     split may have fewer blocks: 11,008 = 43 x 256)."""
-    bn = _largest_divisor(N, 128) or 64
-    bk = _largest_divisor(K, 256) or 64
+    bn = pow2_divisor(N, 128) or 64
+    bk = pow2_divisor(K, 256) or 64
     nk = -(-K // bk)
     programs = -(-N // bn)
     return Plan(bn, bk, max(1, min(nk, -(-TARGET_PROGRAMS // programs))))

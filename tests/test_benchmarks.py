@@ -160,14 +160,16 @@ def test_prefill_memory_prints_its_table(capsys, monkeypatch):
 def test_gpu_decode_writes_its_records(tmp_path, monkeypatch, capsys):
     """The accelerator decode benchmark, at a tiny preset on this CPU: one record per (weights,
     KV format, batch) in decode.json with the fields the GPU sessions compare, each format's
-    cache measured from its arrays (int8 smaller than bfloat16), the table printed."""
+    cache measured from its arrays (int8 smaller than bfloat16), the table printed; 4-bit
+    weights (w4) with the bfloat16 cache."""
     monkeypatch.setattr(sys, "argv", ["gpu_decode.py", "--preset", "llama-tiny", "--window",
                                       "28", "--batch", "1", "--steps", "2", "--kv", "bf16,int8",
-                                      "--weights", "bf16", "--attention", "blockwise", "--out",
+                                      "--weights", "bf16,w4", "--attention", "blockwise", "--out",
                                       str(tmp_path), "--no-record"])
     gpu_decode.main()
     recs = json.loads((tmp_path / "decode.json").read_text())
-    assert [r["kv"] for r in recs] == ["bfloat16", "int8 per token"]
+    assert [(r["weights"], r["kv"]) for r in recs] == [
+        ("bf16", "bfloat16"), ("bf16", "int8 per token"), ("w4", "bfloat16")]
     keys = {"engine", "device", "weights", "kv", "attention", "batch", "cache", "prompt",
             "decode_ms", "prefill_ms", "kv_bytes"}
     assert {r["attention"] for r in recs} == {"blockwise"}

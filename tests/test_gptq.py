@@ -151,7 +151,8 @@ def test_true_sequential_stages_follow_the_authors_order():
 def test_decode_loop_holds_no_float_copy_of_4_bit_weights():
     """generate's compiled loop at Llama-2-7B shapes (4 layers) with abstract 4-bit weights:
     XLA's temporaries stay under 1 GiB, where a float32 copy of the 4 layers' linears alone
-    would be 3.2 GB (the loop's barrier keeps each layer's dequantization inside the step)."""
+    would be 3.2 GB (the loop's barrier keeps each layer's dequantization inside the step);
+    lowered for CUDA, the loop's products are the Pallas kernel's."""
     from jaxllm.generate import SamplingConfig, _generate_jit
     cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=4)
     abstract = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
@@ -174,6 +175,11 @@ def test_decode_loop_holds_no_float_copy_of_4_bit_weights():
                                   jax.random.key(0))
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
     assert temp < 1 << 30, temp / 2 ** 30
+    # Lowered for a GPU, the same loop multiplies by the Pallas kernel that reads the codes.
+    text = _generate_jit.trace(params, cfg, SamplingConfig(max_new_tokens=8), S((1, 8), jnp.int32),
+                               S((1,), jnp.int32), cache, jax.random.key(0)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -77,6 +77,10 @@ WEIGHTS_HELP = ("weights as stored, or kept [out, in] for decoding in float32, b
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="stored",
                    choices=["stored", "float32", "bfloat16", "float16"], help=WEIGHTS_HELP)
+    add_keep_quantized_arg(p)
+
+
+def add_keep_quantized_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-quantized", action="store_true",
                    help="a GGUF file's Q4_0/Q4_1/Q8_0 linears as 4- and 8-bit weights (the "
                         "file's codes, never dequantized; jaxllm.lowbit) instead of float32")
@@ -749,6 +753,7 @@ def add_eval(sub) -> None:
         t.add_argument("--seed", type=seed_int, default=0,
                        help="random seed (task content, sampled sequences)")
         t.add_argument("--quiet", action="store_true", help="no progress output")
+        add_keep_quantized_arg(t)
         own_args(t)
         t.set_defaults(fn=cmd_eval)
 
@@ -859,7 +864,7 @@ def cmd_eval(a) -> None:
     _check_eval_args(a)
     # The output directory first: a finished evaluation must never die on a missing folder.
     make_parent(a.out)
-    cfg, params, tok = load(a.model)
+    cfg, params, tok = load(a.model, keep_quantized=a.keep_quantized)
     result = {"model": a.model, "task": a.task}
     if a.task in ("outliers", "sinks", "kv-shift"):
         run = {"outliers": _eval_outliers, "sinks": _eval_sinks,

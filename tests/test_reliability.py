@@ -196,6 +196,8 @@ def test_impossible_cache_is_refused_with_its_size(monkeypatch):
      "--n-seqs and --seq-len must be >= 1"),
     (["quantize", "--model", "embedded", "--seq-len", "0", "--out", "q"],
      "--n-seqs and --seq-len must be >= 1"),
+    (["eval", "sinks", "--model", "embedded", "--keep-quantized"],
+     "--keep-quantized applies to GGUF files"),
 ])
 def test_cli_arguments_out_of_range(args, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

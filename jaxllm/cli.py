@@ -8,7 +8,6 @@ provide (``convert``, ``export-hf`` from the convert package) are registered und
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -261,20 +260,24 @@ def check_streamable(cfg, pc, n_tokens: int = 0) -> None:
         raise CliError(flag_names(e)) from None
 
 
-def make_parent(path: str) -> None:
-    """Create the directory ``path`` will be written into (before any work, so a finished
-    computation never dies on a missing folder); a clear error when it cannot be made."""
-    parent = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise CliError(f"cannot create the output directory {parent}: {e.strerror}") from None
+def check_files(paths: dict, srcs=()) -> None:
+    """Refuse, before any work, single-file outputs ``{flag: path}`` that would lose data or
+    cannot be written (jaxllm.outputs.check_file: an input of this command, a directory, a
+    file jaxllm did not write), or two outputs naming one file."""
+    from .outputs import check_file
+    given = {flag: p for flag, p in paths.items() if p}
+    seen = {}
+    for flag, p in given.items():
+        real = os.path.realpath(p)
+        if real in seen:
+            raise CliError(f"{seen[real]} and {flag} name the same file {p}; give each its own")
+        seen[real] = flag
+        check_file(p, srcs)
 
 
-def write_json(path: str, obj) -> None:
-    make_parent(path)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
+def write_json(path: str, obj, srcs=()) -> None:
+    from .outputs import write_json as write
+    write(path, obj, srcs)
     print(f"wrote {path}")
 
 
@@ -324,9 +327,8 @@ def cmd_ppl(a) -> None:
     from .ppl import plot_nll, run_ppl
     pc = policy(a)
     text = read_text(a.text) if a.text else builtin_corpus()
-    for path in (a.json, a.plot):
-        if path:
-            make_parent(path)
+    srcs = sources(a.model) + ([a.text] if a.text else [])
+    check_files({"--json": a.json, "--plot": a.plot}, srcs)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
     ids = tok.encode(text)
     if a.max_tokens:
@@ -345,7 +347,7 @@ def cmd_ppl(a) -> None:
         print(f"warning: {summary['nan_count']} of {summary['tokens_scored']} scores are NaN "
               f"(non-finite weights or logits), so the perplexity is NaN", file=sys.stderr)
     if a.json:
-        write_json(a.json, summary)
+        write_json(a.json, summary, srcs)
     if a.plot:
         plot_nll(nll, a.plot, f"{a.model} · {pc.label} · ppl {summary['ppl']:.2f}")
         print(f"wrote {a.plot}")
@@ -392,10 +394,13 @@ def cmd_demo(a) -> None:
     if dc.tokens <= dc.cache + 1:
         raise CliError(f"--tokens {dc.tokens} must exceed --cache {dc.cache} + 1: the window "
                        f"must slide for the methods to differ")
+    specs = [spec.partition("=") for spec in a.model or ["SmolLM2-135M=smollm2"]]
+    srcs = [p for label, sep, path in specs for p in sources(path if sep else label)]
+    check_files({f"--out ({name})": os.path.join(a.out, name)
+                 for name in ("demo.json", "demo.png")}, srcs)
     models = {}
-    for spec in a.model or ["SmolLM2-135M=smollm2"]:
-        label, sep, path = spec.partition("=")
-        models[label if sep else spec] = load(path if sep else spec)
+    for label, sep, path in specs:
+        models[label] = load(path if sep else label)
     tok = next(iter(models.values()))[2]
     ids = np.asarray(tok.encode(builtin_corpus()), np.int32)
     if len(ids) < 2 * dc.tokens:
@@ -616,7 +621,8 @@ def cmd_quantize_lowbit(a, cfg, params, tok) -> None:
           f"MiB (float32 {mib(info['float_linear_bytes']):.1f}), embedding, head and norms as "
           f"loaded {mib(info['other_bytes']):.1f} MiB -> {a.out}")
     if a.json:
-        write_json(a.json, dict(info, model=a.model, calib_seqs=len(calib), seq_len=a.seq_len))
+        write_json(a.json, dict(info, model=a.model, calib_seqs=len(calib), seq_len=a.seq_len),
+                   a.json_sources)
 
 
 def cmd_quantize(a) -> None:
@@ -626,6 +632,9 @@ def cmd_quantize(a) -> None:
     from .tokenizer import ByteTokenizer
     _refuse_other_kind(a)
     check_out(a, sources(a.model))
+    # --json must not land in the model read, the calibration text, or the --out written
+    a.json_sources = sources(a.model) + [p for p in (a.calib_text, a.out) if p]
+    check_files({"--json": a.json}, a.json_sources)
     cfg, params, tok = load(a.model)
     if a.scheme in ("gptq", "rtn"):
         return cmd_quantize_lowbit(a, cfg, params, tok)
@@ -661,7 +670,7 @@ def cmd_quantize(a) -> None:
           + (f", alpha {info['alpha']}" if info["smooth"] else ", no smoothing")
           + f" ({'real int8' if not a.fake else 'fake-quant'}) -> {a.out}")
     if a.json:
-        write_json(a.json, dict(info, model=a.model))
+        write_json(a.json, dict(info, model=a.model), a.json_sources)
 
 
 # ---- eval ----------------------------------------------------------------------------------------
@@ -862,8 +871,10 @@ def _eval_passkey(a, cfg, params, tok, pc) -> dict:
 def cmd_eval(a) -> None:
     """StreamEval, passkey, QA and attention-sink analysis; each writes OUT.json and OUT.png."""
     _check_eval_args(a)
-    # The output directory first: a finished evaluation must never die on a missing folder.
-    make_parent(a.out)
+    # The outputs first: a finished evaluation must never die on a missing folder, nor
+    # replace a file it did not write.
+    srcs = sources(a.model) + [p for p in (getattr(a, "data", None),) if p]
+    check_files({"--out (.json)": a.out + ".json", "--out (.png)": a.out + ".png"}, srcs)
     cfg, params, tok = load(a.model, keep_quantized=a.keep_quantized)
     result = {"model": a.model, "task": a.task}
     if a.task in ("outliers", "sinks", "kv-shift"):
@@ -877,7 +888,7 @@ def cmd_eval(a) -> None:
         run = {"streameval": _eval_streameval, "qa": _eval_qa, "passkey": _eval_passkey}[a.task]
         result.update(run(a, cfg, params, tok, pc))
     print(f"wrote {a.out}.png")
-    write_json(a.out + ".json", result)
+    write_json(a.out + ".json", result, srcs)
 
 
 # ---- the parser ----------------------------------------------------------------------------------

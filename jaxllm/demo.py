@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import time
 from typing import Optional
@@ -198,8 +197,8 @@ def _continue(params, cfg, tok, dc: DemoConfig) -> str:
 
 
 def write_result(result: dict, out_dir: str) -> None:
-    with open(os.path.join(out_dir, "demo.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    from .outputs import write_json
+    write_json(os.path.join(out_dir, "demo.json"), result)
 
 
 def coincide(a: np.ndarray, b: np.ndarray, tol: float = 0.005) -> bool:

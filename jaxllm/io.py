@@ -12,20 +12,17 @@ the train package) and ``embedded-sink`` (its learnable-sink twin); see jaxllm/m
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import re
-import shutil
-import tempfile
 from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import tree
+from . import outputs, tree
 from .config import PRESETS, ModelConfig
 from .model import init_params
 from .quant import from_plain, to_plain
@@ -36,106 +33,39 @@ CONFIG, WEIGHTS, ORBAX_DIR, TOKENIZER_DIR = "config.json", "model.safetensors", 
 FORMATS = ("safetensors", "orbax")
 
 
-MARKER = ".jaxllm-written"  # in every directory atomic_dir writes: the sign it may be replaced
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_OURS = {CONFIG, WEIGHTS, INDEX, ORBAX_DIR, TOKENIZER_DIR, MARKER}
-_PARTIAL = re.compile(r"^\..+\.jaxllm-(partial|old)-(\d+)-")
+_OURS = {CONFIG, WEIGHTS, INDEX, ORBAX_DIR, TOKENIZER_DIR}
 
 
-def _written_by_us(path: str) -> bool:
-    """A directory jaxllm wrote: it has the marker, or it is a jaxllm model directory from
-    before the marker (a jaxllm config.json and nothing but a model's files)."""
-    entries = set(os.listdir(path))
-    if MARKER in entries:
-        return True
+def _model_entry(name: str) -> bool:
+    """An entry a jaxllm model directory holds."""
+    return name in _OURS or bool(_SHARD.match(name))
+
+
+def _legacy_model_dir(path: str) -> bool:
+    """A jaxllm model directory from before the marker: a jaxllm config.json and nothing but a
+    model's files."""
     try:
         with open(os.path.join(path, CONFIG)) as f:
             meta = json.load(f)
     except (OSError, ValueError):
         return False
     return isinstance(meta, dict) and "model" in meta and "format" in meta and all(
-        e in _OURS or _SHARD.match(e) for e in entries)
+        _model_entry(e) for e in os.listdir(path))
 
 
 def check_output_dir(path: str, overwrite: bool = False, sources=()) -> None:
-    """Refuse an output directory whose replacement would lose data: a file, a non-empty
-    directory jaxllm did not write, a model written earlier (unless ``overwrite``), or a path
-    that is, contains or lies inside one of ``sources`` (what is being read)."""
-    path = os.path.abspath(path)
-    for src in sources:
-        src = os.path.abspath(src)
-        if path == src or path.startswith(src + os.sep) or src.startswith(path + os.sep):
-            raise ValueError(f"the output {path} {'is' if path == src else 'overlaps'} the "
-                             f"source {src}: writing it would destroy what is being read; "
-                             f"choose an output outside the source")
-    if not os.path.lexists(path):
-        return
-    if not os.path.isdir(path) or os.path.islink(path):
-        raise ValueError(f"the output {path} exists and is not a directory; choose a new path")
-    entries = sorted(os.listdir(path))
-    if not entries:
-        return
-    if _written_by_us(path):
-        if overwrite:
-            return
-        raise ValueError(f"{path} already holds a model written by jaxllm; pass --overwrite "
-                         f"(overwrite=True) to replace it, or choose a new output")
-    shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-    raise ValueError(f"{path} is not empty and was not written by jaxllm ({shown}); refusing to "
-                     f"replace it: choose a new or empty output directory")
+    """Refuse a model output directory whose replacement would lose data
+    (jaxllm.outputs.check_output_dir: a file, a directory jaxllm did not write or holding
+    files that are not a model's, a model written earlier unless ``overwrite``, a path that
+    overlaps ``sources``)."""
+    outputs.check_output_dir(path, overwrite, sources, _model_entry, _legacy_model_dir)
 
 
-def _clean_stale(parent: str) -> None:
-    """Remove the half-written directories that killed writers left in ``parent`` (their pid no
-    longer runs on this machine)."""
-    for name in os.listdir(parent):
-        m = _PARTIAL.match(name)
-        if not m:
-            continue
-        try:
-            os.kill(int(m.group(2)), 0)
-            continue  # a live writer's
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        except (PermissionError, OverflowError):
-            continue
-
-
-@contextlib.contextmanager
 def atomic_dir(path: str, overwrite: bool = False, sources=()):
-    """Yield a temporary directory next to ``path``; on success it replaces ``path`` (the old
-    one is deleted only after the rename), on failure it is removed and ``path`` is untouched.
-
-    ``path`` must be new, empty, or a directory jaxllm wrote (then only with ``overwrite``), and
-    must not overlap ``sources`` (see check_output_dir). The temporary directory is named
-    ``.NAME.jaxllm-partial-PID-*``; those of killed writers are removed on the next write."""
-    check_output_dir(path, overwrite, sources)
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create {parent}: {e.strerror}") from None
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"cannot write into {parent}: permission denied")
-    _clean_stale(parent)
-    name = os.path.basename(path)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.jaxllm-partial-{os.getpid()}-", dir=parent)
-    try:
-        yield tmp
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            f.write("written by jaxllm; `--overwrite` may replace this directory\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.exists(path):
-        old = tempfile.mkdtemp(prefix=f".{name}.jaxllm-old-{os.getpid()}-", dir=parent)
-        os.rename(path, os.path.join(old, "m"))
-        os.rename(tmp, path)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, path)
+    """jaxllm.outputs.atomic_dir for a model directory."""
+    return outputs.atomic_dir(path, overwrite, sources, _model_entry, _legacy_model_dir)
 
 
 def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "byte",

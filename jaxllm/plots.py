@@ -1,12 +1,13 @@
 """Every figure jaxllm writes, in one style: headless (Agg), titled, axes labelled with units,
-saved as a PNG (its folder made first) and, when given its data, the JSON beside it
+saved as a PNG (its folder made first; through jaxllm.outputs) and, when given its data, the JSON beside it
 (``name.png`` -> ``name.json``), so a plotted number can always be read back exactly."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Optional
+
+from . import outputs
 
 DPI = 120
 TITLE_SIZE = 10
@@ -27,11 +28,13 @@ def figure(path: str, title: Optional[str] = None, *, size=(9, 4), data=None, **
         if title:
             fig.suptitle(title, fontsize=TITLE_SIZE)
         fig.tight_layout()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(path, dpi=DPI)
+        # through jaxllm.outputs: a temporary name renamed into place, never a file we did
+        # not write (the format from the path's extension, as the temporary name has none)
+        fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+        with outputs.atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=DPI, format=fmt)
         if data is not None:
-            with open(os.path.splitext(path)[0] + ".json", "w") as f:
-                json.dump(data, f, indent=1)
+            outputs.write_json(os.path.splitext(path)[0] + ".json", data)
     finally:
         plt.close(fig)
 

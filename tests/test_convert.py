@@ -507,10 +507,10 @@ def test_out_never_destroys_what_is_there(tmp_path, capsys, monkeypatch):
     cases = [(["convert", "--hf", str(hf), "--out", str(mine)], "not written by jaxllm"),
              (["convert", "--hf", str(hf), "--out", "."], "not written by jaxllm"),
              (["convert", "--hf", str(hf), "--out", str(afile)], "not a directory"),
-             (["convert", "--hf", str(hf), "--out", str(hf)], "is the source"),
-             (["convert", "--hf", str(hf), "--out", str(tmp_path)], "overlaps the source"),
-             (["export-hf", "--model", str(hf), "--out", str(hf / "x")], "overlaps the source"),
-             (["quantize", "--model", str(hf), "--out", str(hf)], "is the source")]
+             (["convert", "--hf", str(hf), "--out", str(hf)], "is the input"),
+             (["convert", "--hf", str(hf), "--out", str(tmp_path)], "overlaps the input"),
+             (["export-hf", "--model", str(hf), "--out", str(hf / "x")], "overlaps the input"),
+             (["quantize", "--model", str(hf), "--out", str(hf)], "is the input")]
     for args, msg in cases:
         capsys.readouterr()
         assert main(args + ["--quiet"]) == 2, args

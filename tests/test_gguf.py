@@ -188,7 +188,7 @@ def test_convert_writes_a_model_directory_with_tokenizer_and_template(tmp_path, 
     out = tmp_path / "converted"
     assert main(["convert", "--gguf", str(path), "--out", str(out), "--quiet"]) == 0
     assert main(["convert", "--gguf", str(path), "--out", str(path), "--quiet"]) == 2
-    assert "is the source" in capsys.readouterr().err
+    assert "is the input" in capsys.readouterr().err
     ids = jnp.asarray([[5, 9, 63, 2]])
     (c1, p1, t1), (c2, p2, t2) = jaxllm.load_model(str(path)), jaxllm.load_model(str(out))
     assert c1 == c2

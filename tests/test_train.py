@@ -3,6 +3,7 @@ checkpoints that survive an interrupted write, the CLI."""
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -300,8 +301,8 @@ def test_corrupt_latest_checkpoint_resumes_from_the_one_before(uninterrupted, tm
     train(cfg, run, progress=False)
     err = capsys.readouterr().err
     assert "checkpoint step 8" in err and "moved to" in err
-    kept = os.listdir(os.path.join(run, "checkpoints.quarantine"))  # evidence, not deleted
-    assert len(kept) == 1 and kept[0].startswith("8-")
+    kept = os.listdir(os.path.join(run, "checkpoints", "quarantine"))  # evidence, kept
+    assert sorted(kept) == ["8", "8.digests.json"]
     assert _losses(run) == uninterrupted  # resumed from step 4, bit-exact
 
 
@@ -494,4 +495,106 @@ def test_unreadable_checkpoint_is_named_and_left_in_place(uninterrupted, tmp_pat
     with pytest.raises(ValueError, match=r"checkpoint step 8 cannot be read \(.*permission"):
         train(cfg, run, progress=False)
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == before
-    assert not os.path.exists(os.path.join(run, "checkpoints.quarantine"))
+    assert not os.path.exists(os.path.join(run, "checkpoints", "quarantine"))
+
+
+# ---- nothing lost: run directories and checkpoints (jaxllm.outputs, train.checkpoint) -------
+def _tree_digests(root) -> dict:
+    from test_nothing_lost import digests
+    return digests(root)
+
+
+def test_a_run_directory_with_someone_elses_files_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "their_tool": 0.5}\n')
+    before = _tree_digests(run)
+    with pytest.raises(ValueError, match=r"is not a jaxllm run directory \(metrics.jsonl\)"):
+        train(recipe("tiny", TINY), str(run), progress=False)
+    assert _tree_digests(run) == before
+
+
+def test_a_finished_run_without_checkpoints_is_not_started_over(tmp_path):
+    """Checkpoints deleted to save disk: the same command refuses (naming what it would
+    overwrite) instead of overwriting metrics.jsonl and model/; --restart trains again."""
+    run = str(tmp_path / "run")
+    cfg = recipe("tiny", TINY + ["steps=2"])
+    assert train(cfg, run, progress=False)["finished"]
+    shutil.rmtree(os.path.join(run, "checkpoints"))
+    before = _tree_digests(run)
+    with pytest.raises(ValueError, match=r"holds a run \(metrics.jsonl, model\) but no "
+                                         r"checkpoint.*--restart"):
+        train(cfg, run, progress=False)
+    assert _tree_digests(run) == before
+    assert train(cfg, run, progress=False, restart=True)["finished"]
+    assert [s for s, _ in _losses(run)] == [1, 2]
+
+
+def test_a_flipped_bit_in_a_checkpoint_is_caught_by_its_digests(uninterrupted, tmp_path,
+                                                                 capsys):
+    """Same size, one bit different: orbax would restore other numbers; the digests sealed
+    at commit catch it, the step goes to quarantine/8, the run resumes from step 4."""
+    run = str(tmp_path / "run")
+    cfg = recipe("tiny", TINY)
+    train(cfg, run, progress=False, stop_after=8)
+    step8 = os.path.join(run, "checkpoints", "8")
+    assert os.path.exists(os.path.join(run, "checkpoints", "digests", "8.json"))
+    files = [os.path.join(d, f) for d, _, fs in os.walk(step8) for f in fs]
+    big = max(files, key=os.path.getsize)
+    with open(big, "r+b") as f:
+        f.seek(os.path.getsize(big) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    flipped = _tree_digests(step8)
+    train(cfg, run, progress=False)
+    err = capsys.readouterr().err
+    assert "checkpoint step 8" in err and "differs from its digest" in err
+    assert _tree_digests(os.path.join(run, "checkpoints", "quarantine", "8")) == flipped
+    assert _losses(run) == uninterrupted
+
+
+def _as_user(code: str, tmp_path):
+    """Run ``code`` in a fresh Python without root's file-permission override."""
+    from test_nothing_lost import _drop_root
+    return subprocess.run(_drop_root([sys.executable, "-c", code]), cwd=ROOT,
+                          capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+
+
+def test_unreadable_and_read_only_runs_refuse_and_touch_nothing(tmp_path):
+    """A checkpoint file this user may not read (a run copied from another user), and a whole
+    run on a read-only place: one line each, nothing moved, nothing deleted."""
+    run = str(tmp_path / "run")
+    cfg_args = TINY
+    train(recipe("tiny", cfg_args), run, progress=False, stop_after=8)
+    code = ("from train.loop import train; from train.config import recipe\n"
+            f"try:\n    train(recipe('tiny', {cfg_args!r}), {run!r}, progress=False)\n"
+            "except ValueError as e:\n    print(e); raise SystemExit(2)\n")
+    step8 = os.path.join(run, "checkpoints", "8")
+    victim = max((os.path.join(d, f) for d, _, fs in os.walk(step8) for f in fs),
+                 key=os.path.getsize)
+    os.chmod(victim, 0)
+    before = sorted(os.path.relpath(os.path.join(d, f), run)  # (names: one is unreadable)
+                    for d, _, fs in os.walk(run) for f in fs)
+    try:
+        p = _as_user(code, tmp_path)
+    finally:
+        os.chmod(victim, 0o644)
+    assert p.returncode == 2 and "checkpoint step 8 cannot be read" in p.stdout, p.stderr[-2000:]
+    assert sorted(os.path.relpath(os.path.join(d, f), run)
+                  for d, _, fs in os.walk(run) for f in fs) == before
+    digests_before = _tree_digests(run)
+    for d, dirs, fs in os.walk(run):  # the run on a read-only share
+        for x in [d] + [os.path.join(d, f) for f in fs]:
+            os.chmod(x, os.stat(x).st_mode & ~0o222)
+    try:
+        p = _as_user(code, tmp_path)
+    finally:
+        for d, dirs, fs in os.walk(run):
+            for x in [d] + [os.path.join(d, f) for f in fs]:
+                os.chmod(x, os.stat(x).st_mode | 0o200)
+    assert p.returncode == 2 and "cannot write into the run directory" in p.stdout, \
+        (p.stdout, p.stderr[-2000:])
+    assert len(p.stdout.strip().splitlines()) == 1
+    assert _tree_digests(run) == digests_before

@@ -25,7 +25,7 @@ def cmd_run(a) -> None:
         print(json.dumps(cfg.to_dict(), indent=1))
         return
     summary = train(cfg, a.out, resume=not a.no_resume, distributed=a.distributed,
-                    stop_after=a.stop_after)
+                    stop_after=a.stop_after, restart=a.restart)
     print(json.dumps(summary, indent=1))
 
 
@@ -35,6 +35,8 @@ def cmd_plot(a) -> None:
     for r in a.runs:
         label, sep, path = r.partition("=")
         runs[label if sep else r] = path if sep else r
+    from jaxllm.outputs import check_file
+    check_file(a.out, list(runs.values()))  # not into a run read, not over a foreign file
     plot_loss_curves(runs, a.out, a.title)
     print(f"wrote {a.out}")
 
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stop-after", type=int, default=None,
                    help="stop after this step with a checkpoint (resume later)")
     r.add_argument("--no-resume", action="store_true", help="refuse to continue an existing run")
+    r.add_argument("--restart", action="store_true",
+                   help="a run whose checkpoints are gone: train it again from step 0 over its "
+                        "metrics and model (refused without this flag)")
     r.add_argument("--print-config", action="store_true", help="print the recipe and exit")
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("plot", help="loss curves of runs on one plot (Fig. 6)")

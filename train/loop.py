@@ -12,6 +12,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from jaxllm import outputs
 from jaxllm.io import load_model, save_model
 from jaxllm.tokenizer import load_tokenizer
 
@@ -59,9 +60,13 @@ class RunLock:
     def __init__(self, out: str):
         import fcntl
         import socket
-        os.makedirs(out, exist_ok=True)
         self.path = os.path.join(out, ".lock")
-        self.f = open(self.path, "a+")
+        try:
+            os.makedirs(out, exist_ok=True)
+            self.f = open(self.path, "a+")
+        except OSError as e:
+            raise ValueError(f"cannot write into the run directory {out} ({e.strerror}); copy "
+                             f"the run to a writable place and run it there") from None
         try:
             fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -78,6 +83,41 @@ class RunLock:
     def release(self) -> None:
         if not self.f.closed:
             self.f.close()  # closing the file releases the lock
+
+
+RUN_ENTRIES = {CONFIG_FILE, METRICS_FILE, "checkpoints", "model", ".lock", "heldout.npy",
+               "data_manifest.json", outputs.RUN_MANIFEST,  # (heldout, manifest: _record_data)
+               "train.log"}  # (train.experiments.sink_token's log of a variant's run)
+
+
+def _legacy_run(path: str) -> bool:
+    """A run directory from before manifests (its config and nothing but a run's entries), or
+    one holding only our lock."""
+    entries = set(os.listdir(path))
+    return entries <= RUN_ENTRIES and (CONFIG_FILE in entries or entries == {".lock"})
+
+
+def _finished_products(out: str, cfg: TrainConfig) -> list:
+    """What a finished run in ``out`` holds (its metrics, its model), or [] when it did not
+    finish: an unfinished run with no checkpoint simply starts over, as it would resume."""
+    model = os.path.join(out, "model")
+    metrics = os.path.join(out, METRICS_FILE)
+    last = 0
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            for ln in f:
+                try:
+                    last = max(last, int(json.loads(ln)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    if not os.path.isdir(model) and last < cfg.steps:
+        return []
+    return [p for p in (METRICS_FILE, "model") if os.path.exists(os.path.join(out, p))]
+
+
+def _has_checkpoints(out: str) -> bool:
+    d = os.path.join(out, "checkpoints")
+    return os.path.isdir(d) and any(e.isdigit() for e in os.listdir(d))
 
 
 def _truncate_metrics(path: str, step: int) -> None:
@@ -142,11 +182,15 @@ def sink_probe(params, cfg: TrainConfig, text: np.ndarray) -> dict:
 
 def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True,
           stop_after: Optional[int] = None, distributed: bool = False,
-          cache_dir: Optional[str] = None) -> dict:
+          cache_dir: Optional[str] = None, restart: bool = False) -> dict:
     """Train ``cfg`` into run directory ``out`` (checkpoints/, metrics.jsonl, model/).
 
-    An existing run in ``out`` is resumed from its latest checkpoint (``resume=False`` refuses
-    instead). ``stop_after``: stop after that step with a checkpoint (what a preemption leaves).
+    ``out`` must be new, empty or a run directory of ours (jaxllm.outputs.claim_run_dir: its
+    manifest is written first); anything else is refused. An existing run in ``out`` is
+    resumed from its latest checkpoint (``resume=False`` refuses instead); one that holds
+    metrics or a model but no checkpoint (deleted to save disk) is refused unless
+    ``restart``, which trains it again from step 0 over them. ``stop_after``: stop after
+    that step with a checkpoint (what a preemption leaves).
     ``distributed``: call ``jax.distributed.initialize()`` first (multi-host TPU/GPU; every host
     runs the same command). Returns a summary dict."""
     if distributed:
@@ -160,7 +204,13 @@ def train(cfg: TrainConfig, out: str, resume: bool = True, progress: bool = True
     is_main = jax.process_index() == 0
     if not is_main:
         return _train(cfg, out, resume, progress, stop_after, mesh, cache_dir)
+    outputs.claim_run_dir(out, legacy=_legacy_run)
     _check_run_dir(out, cfg)
+    products = _finished_products(out, cfg) if not _has_checkpoints(out) else []
+    if products and not restart:
+        raise ValueError(f"{out} holds a run ({', '.join(products)}) but no checkpoint to "
+                         f"resume from; pass --restart to train it again from step 0 over "
+                         f"them, or choose a new --out")
     lock = RunLock(out)  # one run per directory
     try:
         return _train(cfg, out, resume, progress, stop_after, mesh, cache_dir)

@@ -77,8 +77,10 @@ def train_parallel(base, out: str, child_args: list[str], poll_s: float = 30.0) 
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / len(VARIANTS):.2f}")
     procs, logs, t0, times = {}, {}, time.perf_counter(), {}
+    from jaxllm.outputs import claim_run_dir
+    from train.loop import _legacy_run
     for v in VARIANTS:
-        os.makedirs(os.path.join(out, v), exist_ok=True)
+        claim_run_dir(os.path.join(out, v), legacy=_legacy_run)  # before its log goes in
         logs[v] = open(os.path.join(out, v, "train.log"), "a")
         procs[v] = subprocess.Popen(
             [sys.executable, "-m", "train.experiments.sink_token", *child_args, "--variant", v],

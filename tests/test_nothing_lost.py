@@ -1,0 +1,170 @@
+"""Nothing lost, nothing silent (jaxllm.outputs): every output a command writes is checked
+before any work, written beside its target and renamed, and never replaces what jaxllm did
+not write. Each test records the digests of every file it did not create before and after,
+and checks the exit status and the one-line message."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import jax
+
+import jaxllm
+from jaxllm import outputs
+from jaxllm.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def digests(root) -> dict:
+    """Relative path -> sha256 of every file under ``root`` (a file: just that one)."""
+    root = str(root)
+    if os.path.isfile(root):
+        return {root: hashlib.sha256(open(root, "rb").read()).hexdigest()}
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+def refused(args, capsys, want: str) -> None:
+    """The command exits 2 with one line on stderr that says ``want``."""
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and want in err[0], err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("m") / "model")
+    cfg = jaxllm.PRESETS["pythia-tiny"]
+    jaxllm.save_model(d, cfg, jaxllm.init_params(cfg, jax.random.key(0)))
+    return d
+
+
+def test_output_that_is_the_input_text_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes, the only copy\n" * 20)
+    before = digests(tmp_path)
+    refused(["ppl", "--model", "embedded", "--text", str(notes), "--json", str(notes)], capsys,
+            f"the output {notes} is the input {notes}")
+    assert digests(tmp_path) == before
+
+
+def test_json_into_the_model_read_is_refused(model_dir, tmp_path, capsys):
+    before = digests(model_dir)
+    refused(["quantize", "--model", model_dir, "--json", os.path.join(model_dir, "config.json"),
+             "--out", str(tmp_path / "q")], capsys, "overlaps the input")
+    assert digests(model_dir) == before and not os.path.exists(tmp_path / "q")
+
+
+def test_json_inside_the_out_written_is_refused(model_dir, tmp_path, capsys):
+    refused(["quantize", "--model", model_dir, "--json", str(tmp_path / "q" / "info.json"),
+             "--out", str(tmp_path / "q")], capsys, "overlaps the input")
+
+
+def test_json_and_plot_naming_one_file_are_refused(tmp_path, capsys):
+    refused(["ppl", "--model", "embedded", "--json", str(tmp_path / "x"), "--plot",
+             str(tmp_path / "x")], capsys, "--json and --plot name the same file")
+
+
+def test_a_file_jaxllm_did_not_write_is_not_replaced(tmp_path, capsys):
+    theirs = tmp_path / "result.json"
+    theirs.write_text('{"theirs": true}')
+    before = digests(tmp_path)
+    refused(["ppl", "--model", "embedded", "--json", str(theirs)], capsys,
+            "exists and was not written by jaxllm")
+    assert digests(tmp_path) == before
+
+
+def test_our_own_file_is_replaced_but_not_once_edited(tmp_path):
+    path = str(tmp_path / "r.json")
+    outputs.write_json(path, {"run": 1})
+    outputs.write_json(path, {"run": 2})  # ours, unchanged since: a rerun replaces it
+    assert json.load(open(path)) == {"run": 2}
+    with open(path, "a") as f:
+        f.write("\n")  # the user edited it: theirs now
+    before = digests(tmp_path)
+    with pytest.raises(outputs.OutputError, match="was not written by jaxllm"):
+        outputs.write_json(path, {"run": 3})
+    assert digests(tmp_path) == before
+
+
+def test_an_output_naming_a_directory_is_one_line(tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    refused(["ppl", "--model", "embedded", "--json", str(tmp_path / "d")], capsys,
+            "is a directory; give a file path")
+
+
+def test_a_file_that_appears_while_writing_is_kept(tmp_path):
+    path = str(tmp_path / "out.json")
+    with pytest.raises(outputs.OutputError, match="appeared while jaxllm wrote it"):
+        with outputs.atomic_file(path) as tmp:
+            with open(tmp, "w") as f:
+                f.write("ours")
+            with open(path, "w") as f:
+                f.write("someone else's")
+    assert open(path).read() == "someone else's"
+    kept = [p for p in os.listdir(tmp_path) if p.startswith("out.json.jaxllm-new-")]
+    assert len(kept) == 1 and open(tmp_path / kept[0]).read() == "ours"
+
+
+def test_files_that_appear_in_a_model_out_while_saving_are_kept(tmp_path):
+    """quantize --out and every model writer: the finished directory is not renamed over a
+    target that gained someone else's files; it is kept beside it and named."""
+    out = str(tmp_path / "q")
+    cfg = jaxllm.PRESETS["pythia-tiny"]
+    params = jaxllm.init_params(cfg, jax.random.key(0))
+    with pytest.raises(outputs.OutputError, match="changed while jaxllm wrote it"):
+        with jaxllm.io.atomic_dir(out) as tmp:
+            jaxllm.io._save_safetensors(tmp, {"w": np.zeros(3, np.float32)}, 0)
+            os.makedirs(out)
+            with open(os.path.join(out, "notes.txt"), "w") as f:
+                f.write("the user's")
+    assert os.listdir(out) == ["notes.txt"]
+    assert any(p.startswith("q.jaxllm-new-") for p in os.listdir(tmp_path))
+    jaxllm.save_model(str(tmp_path / "m"), cfg, params)
+    (tmp_path / "m" / "notes.txt").write_text("added to a model directory")
+    before = digests(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"files that are not its \(notes.txt\)"):
+        jaxllm.save_model(str(tmp_path / "m"), cfg, params, overwrite=True)
+    assert digests(tmp_path / "m") == before
+
+
+def _drop_root(cmd: list) -> list:
+    """``cmd`` without the capabilities that let root ignore file permissions (so a read-only
+    or unreadable file means what it means for any user)."""
+    if os.geteuid() != 0:
+        return cmd
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: file permissions cannot be enforced")
+    caps = "-dac_override,-dac_read_search,-fowner"
+    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"] + cmd
+
+
+def test_write_failures_are_one_line(tmp_path):
+    """--json, --plot and eval's --out in a read-only directory, as a user: one line each."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o555)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    try:
+        for args in (["ppl", "--model", "embedded", "--json", str(ro / "x.json")],
+                     ["ppl", "--model", "embedded", "--plot", str(ro / "sub" / "x.png")],
+                     ["eval", "sinks", "--model", "embedded", "--out", str(ro / "e")]):
+            p = subprocess.run(_drop_root([sys.executable, "-m", "jaxllm.cli"] + args), cwd=ROOT,
+                               env=env, capture_output=True, text=True)
+            err = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(err) == 1, (args, p.stderr[-2000:])
+            assert str(ro) in err[0] and ("not writable" in err[0]
+                                          or "Permission denied" in err[0]), err
+        assert os.listdir(ro) == []
+    finally:
+        os.chmod(ro, 0o755)

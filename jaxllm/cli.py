@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 
+from .argtypes import COUNT, FRACTION, SIZE, integer, real
+
 DEFAULT_MODEL = "smollm2"
 RANDOM_NOTE = ("note: {model} has random weights, so its perplexities and text are noise; "
                "pass --model DIR for a trained model")
@@ -30,11 +32,16 @@ class CliError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose help shows every option's default (subcommands inherit it)."""
+    """An argument parser whose help shows every option's default and whose errors are one
+    line (a CliError naming the command and the flag, no usage block; subcommands inherit
+    both)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        raise CliError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
 # ---- shared by the commands ----------------------------------------------------------------------
@@ -121,10 +128,10 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
 def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024) -> None:
     p.add_argument("--method", default="streaming",
                    help="cache policy: dense | window | recompute | streaming | h2o | qhitter")
-    p.add_argument("--sinks", type=int, default=None,
+    p.add_argument("--sinks", type=SIZE, default=None,
                    help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
-    p.add_argument("--cache", type=int, default=cache, help="cache size = sinks + window")
-    p.add_argument("--chunk", type=int, default=256, help="tokens per forward call")
+    p.add_argument("--cache", type=COUNT, default=cache, help="cache size = sinks + window")
+    p.add_argument("--chunk", type=COUNT, default=256, help="tokens per forward call")
     add_kv_args(p)
     add_kv_dtype_arg(p)
     add_evict_args(p)
@@ -152,7 +159,7 @@ def add_evict_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heavy-attn", type=_budget, default=None,
                    help="qhitter: heavy slots chosen by attention alone (default 7/15 of "
                         "--heavy, the authors' 7%% of 15%%)")
-    g.add_argument("--lam", type=float, default=0.5,
+    g.add_argument("--lam", type=FRACTION, default=0.5,
                    help="qhitter: λ, attention's weight against quantization error (1 = H2O)")
 
 
@@ -174,12 +181,12 @@ def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
 def add_kv_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-quant", default="none", choices=["none", "int8", "token", "kivi"],
                    help=KV_HELP)
-    p.add_argument("--kv-bits", type=int, default=4,
+    p.add_argument("--kv-bits", type=integer(1, 8), default=4,
                    help="bits per code: 2, 3, 4 or 8 (token), 2, 4 or 8 (kivi)")
-    p.add_argument("--kv-group", type=int, default=16,
+    p.add_argument("--kv-group", type=SIZE, default=16,
                    help="channels (token, kivi values) or tokens (kivi keys) sharing a scale "
                         "and minimum; must divide the head dim (0 with token: the whole head)")
-    p.add_argument("--kv-residual", type=int, default=32,
+    p.add_argument("--kv-residual", type=SIZE, default=32,
                    help="kivi: the most recent tokens kept in full precision (a multiple of "
                         "--kv-group)")
 
@@ -315,7 +322,7 @@ def add_ppl(sub) -> None:
                           "--text is given")
     add_policy_args(p)
     add_weights_arg(p)
-    p.add_argument("--max-tokens", type=int, default=0, help="score at most N tokens (0 = all)")
+    p.add_argument("--max-tokens", type=SIZE, default=0, help="score at most N tokens (0 = all)")
     p.add_argument("--json", help="write the summary here")
     p.add_argument("--plot", help="write the NLL-vs-position plot here (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -361,16 +368,16 @@ def add_demo(sub) -> None:
     p.add_argument("--model", action="append", default=None,
                    help="LABEL=MODEL or MODEL, repeatable (default: SmolLM2-135M=smollm2; the "
                         "models trained here: embedded, embedded-sink)")
-    p.add_argument("--tokens", type=int, default=4096, help="stream length")
-    p.add_argument("--cache", type=int, default=256, help="W: sinks + window")
-    p.add_argument("--sinks", type=int, default=4,
+    p.add_argument("--tokens", type=COUNT, default=4096, help="stream length")
+    p.add_argument("--cache", type=COUNT, default=256, help="W: sinks + window")
+    p.add_argument("--sinks", type=SIZE, default=4,
                    help="sink tokens of the StreamingLLM and recompute rows")
-    p.add_argument("--positions", type=int, default=64,
+    p.add_argument("--positions", type=COUNT, default=64,
                    help="recompute is scored at this many seeded positions past the first W")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the sampled positions")
     p.add_argument("--int8", action="store_true",
                    help="also StreamingLLM on a SmoothQuant W8A8 O1 copy")
-    p.add_argument("--chat-cache", type=int, default=160,
+    p.add_argument("--chat-cache", type=COUNT, default=160,
                    help="sinks + window of the chat's cache (the rounds together overflow it)")
     p.add_argument("--out", default="demo_out", help="directory for demo.json and demo.png")
     add_kv_args(p)
@@ -424,17 +431,17 @@ def add_generate(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--prompt", action="append", required=True,
                    help="text to continue; repeat for several rounds sharing one cache")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--max-new-tokens", type=COUNT, default=64, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=real(0.0), default=0.0,
                    help="sampling temperature; 0 is greedy decoding")
-    p.add_argument("--top-k", type=int, default=0,
+    p.add_argument("--top-k", type=SIZE, default=0,
                    help="sample from the k most likely tokens only (0: no limit)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--top-p", type=real(0.0, 1.0, lo_open=True), default=1.0,
                    help="nucleus sampling: the smallest set of tokens with this much probability")
     p.add_argument("--method", default="streaming", choices=["streaming", "h2o", "qhitter"],
                    help="cache policy: StreamingLLM (sinks + window), or score-based eviction")
-    p.add_argument("--sinks", type=int, default=4, help="sink tokens kept in the cache")
-    p.add_argument("--cache", type=int, default=1024, help="cache size = sinks + window")
+    p.add_argument("--sinks", type=SIZE, default=4, help="sink tokens kept in the cache")
+    p.add_argument("--cache", type=COUNT, default=1024, help="cache size = sinks + window")
     p.add_argument("--seed", type=seed_int, default=0, help="random seed for sampling")
     p.add_argument("--chat", action="store_true",
                    help="each --prompt is a question to the model in its chat template; the "
@@ -519,8 +526,9 @@ def add_quantize(sub) -> None:
                         "per-tensor dynamic, per-tensor static), w8 weight-only int8; gptq "
                         "(second-order error correction) or rtn (round to nearest): k-bit "
                         "weight-only linears (--bits, --group)")
-    p.add_argument("--bits", type=int, default=None, help="gptq/rtn: 2, 3, 4 or 8 (default 4)")
-    p.add_argument("--group", type=int, default=None,
+    p.add_argument("--bits", type=integer(1, 8), default=None,
+                   help="gptq/rtn: 2, 3, 4 or 8 (default 4)")
+    p.add_argument("--group", type=SIZE, default=None,
                    help="gptq/rtn: input columns per scale, 0 for per output channel (default "
                         "128; a group that does not divide the input leaves a shorter last one)")
     p.add_argument("--sym", action="store_true", help="gptq/rtn: symmetric grid")
@@ -528,7 +536,7 @@ def add_quantize(sub) -> None:
                    help="gptq: columns in order of decreasing Hessian diagonal (static groups)")
     p.add_argument("--true-sequential", action="store_true",
                    help="gptq: calibrate q/k/v, o, up/gate, down each after the ones before")
-    p.add_argument("--damp", type=float, default=None,
+    p.add_argument("--damp", type=real(0.0), default=None,
                    help="gptq: dampening, a share of the Hessian's mean diagonal (default 0.01)")
     p.add_argument("--alpha", default=None,
                    help="migration strength in [0, 1], or 'auto' (grid search on held-out "
@@ -550,10 +558,10 @@ def add_quantize(sub) -> None:
     p.add_argument("--fake", action="store_true",
                    help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
     p.add_argument("--calib-text", help="UTF-8 calibration text (default: the embedded corpus)")
-    p.add_argument("--n-seqs", type=int, default=None,
+    p.add_argument("--n-seqs", type=COUNT, default=None,
                    help="calibration sequences (default 64 for SmoothQuant, 32 for gptq: sized "
                         "for a CPU; the papers use 512 and 128)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--seq-len", type=COUNT, default=512, help="tokens per calibration sequence")
     p.add_argument("--out", required=True, help="model directory to write")
     p.add_argument("--format", choices=["orbax", "safetensors"], default="safetensors",
                    help="how the quantized weights are stored")
@@ -678,20 +686,20 @@ def cmd_quantize(a) -> None:
 def _outliers_args(p) -> None:
     p.add_argument("--layer", default=None, help="linear layer, e.g. layer_0/attn/q (the default)")
     p.add_argument("--alpha", default=None, help="migration strength (family default)")
-    p.add_argument("--n-seqs", type=int, default=16, help="calibration sequences")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+    p.add_argument("--n-seqs", type=COUNT, default=16, help="calibration sequences")
+    p.add_argument("--seq-len", type=COUNT, default=256, help="tokens per calibration sequence")
 
 
 def _sinks_args(p) -> None:
-    p.add_argument("--n", type=int, default=16, help="sequences averaged")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--eps", type=float, default=0.3, help="sink threshold")
+    p.add_argument("--n", type=COUNT, default=16, help="sequences averaged")
+    p.add_argument("--seq-len", type=COUNT, default=256, help="tokens per sequence")
+    p.add_argument("--eps", type=real(0.0), default=0.3, help="sink threshold")
 
 
 def _streameval_args(p) -> None:
     add_policy_args(p)
-    p.add_argument("--lines", type=int, default=400, help="register lines in the stream")
-    p.add_argument("--bucket", type=int, default=2000,
+    p.add_argument("--lines", type=COUNT, default=400, help="register lines in the stream")
+    p.add_argument("--bucket", type=COUNT, default=2000,
                    help="report accuracy per this many tokens of input")
 
 
@@ -699,7 +707,7 @@ def _qa_args(p) -> None:
     add_policy_args(p)
     p.add_argument("--data", help="JSONL of {question, answer, choices?} (default: the built-in "
                                   "synthetic sample)")
-    p.add_argument("--repeat", type=int, default=50,
+    p.add_argument("--repeat", type=COUNT, default=50,
                    help="with the sample: how many times to repeat it")
 
 
@@ -707,17 +715,17 @@ def _passkey_args(p) -> None:
     add_policy_args(p)
     p.add_argument("--lengths", default="500,1000,2000", help="stream lengths (tokens)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="key depths in [0, 1]")
-    p.add_argument("--trials", type=int, default=5, help="keys per length and depth")
+    p.add_argument("--trials", type=COUNT, default=5, help="keys per length and depth")
 
 
 def _kv_shift_args(t) -> None:
-    t.add_argument("--prompt-tokens", type=int, default=512,
+    t.add_argument("--prompt-tokens", type=COUNT, default=512,
                    help="tokens whose heavy hitters are compared")
-    t.add_argument("--stream-tokens", type=int, default=2048,
+    t.add_argument("--stream-tokens", type=COUNT, default=2048,
                    help="tokens streamed through H2O for the perplexity of each set")
     t.add_argument("--bits", default="8,4,3,2", help="KV bit widths, comma-separated")
-    t.add_argument("--heavy", type=float, default=0.1, help="heavy share of the text (0.1)")
-    t.add_argument("--recent", type=float, default=0.1, help="recent share of the text (0.1)")
+    t.add_argument("--heavy", type=FRACTION, default=0.1, help="heavy share of the text (0.1)")
+    t.add_argument("--recent", type=FRACTION, default=0.1, help="recent share of the text (0.1)")
 
 
 def _eval_kv_shift(a, cfg, params, tok) -> dict:
@@ -913,8 +921,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv=None) -> argparse.Namespace:
+    """The command line parsed and every flag's value validated (jaxllm.argtypes), with no
+    work done; bad input raises CliError (one line)."""
+    return build_parser().parse_args(argv)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse(argv)
+    except CliError as e:
+        print(e, file=sys.stderr)
+        return 2
     try:
         args.fn(args)
     except (CliError, ValueError) as e:  # the library raises ValueError for bad input

@@ -70,6 +70,9 @@ class RopeScaling:
         return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
+INT32_MAX = 2 ** 31 - 1  # sizes index int32 arrays
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer.
@@ -140,14 +143,18 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "intermediate_size", "max_seq_len"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= INT32_MAX:
+                raise ValueError(f"{name} must be an integer in [1, {INT32_MAX}], got {v!r}")
         for name in ("head_dim", "embed_dim", "sliding_window"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer (0: derived), got {v!r}")
-        if not (self.norm_eps > 0 and self.init_std > 0 and self.rope_theta > 0):
-            raise ValueError("norm_eps, init_std and rope_theta must be > 0")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= INT32_MAX:
+                raise ValueError(f"{name} must be an integer in [0, {INT32_MAX}] (0: derived), "
+                                 f"got {v!r}")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError(

@@ -167,7 +167,7 @@ def _load_safetensors(spec: str) -> tuple[dict, str]:
             raise ValueError(f"{index} names shard files outside the model directory or not "
                              f"named model-NNNNN-of-NNNNN.safetensors ({', '.join(bad[:3])}): "
                              f"refusing to read them")
-        files = [os.path.join(spec, n) for n in names]
+        files = [confined(spec, os.path.join(spec, n), index) for n in names]
     flat = {}
     for f in files:
         if not os.path.exists(f):
@@ -432,6 +432,13 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
         raise ValueError(f"{cfg_path}: {e}") from None
     fmt = meta.get("format", "safetensors")
     quant = meta.get("quant", {})
+    if fmt not in FORMATS or not isinstance(quant, dict):
+        bad = "format" if fmt not in FORMATS else "quant"
+        raise ValueError(f"{cfg_path}: field {bad!r} is {meta.get(bad)!r}; expected "
+                         f"{' or '.join(FORMATS) if bad == 'format' else 'an object'} "
+                         f"(rewrite the model with jaxllm.save_model)")
+    for entry in (WEIGHTS, INDEX, ORBAX_DIR, TOKENIZER_DIR):
+        confined(spec, os.path.join(spec, entry), cfg_path)
     if fmt == "orbax":
         params = _restore_orbax(os.path.join(spec, ORBAX_DIR), sharding)
         check_params(cfg, tree.flatten(params), os.path.join(spec, ORBAX_DIR), quant)
@@ -444,9 +451,23 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
     if tok_spec is None:  # none shipped; one may have been copied in since
         tok_dir = os.path.join(spec, TOKENIZER_DIR)
         return cfg, params, load_tokenizer(tok_dir) if os.path.isdir(tok_dir) else None
-    if tok_spec != "byte" and not os.path.isabs(tok_spec):
-        tok_spec = os.path.join(spec, tok_spec)
+    if tok_spec != "byte":
+        if not isinstance(tok_spec, str):
+            raise ValueError(f"{cfg_path}: field 'tokenizer' is {tok_spec!r}; expected 'byte' "
+                             f"or {TOKENIZER_DIR!r}")
+        tok_spec = confined(spec, os.path.join(spec, tok_spec), cfg_path, "field 'tokenizer'")
     return cfg, params, load_tokenizer(tok_spec)
+
+
+def confined(model_dir: str, path: str, named_by: str, what: str = "") -> str:
+    """``path`` with symlinks resolved, refused when it leaves ``model_dir`` (an untrusted
+    model directory must not make a reader open files elsewhere)."""
+    root, real = os.path.realpath(model_dir), os.path.realpath(path)
+    if os.path.lexists(path) and not (real == root or real.startswith(root + os.sep)):
+        raise ValueError(f"{named_by}: {what or os.path.basename(path)} leads outside the model "
+                         f"directory ({path} -> {real}): refusing to read it; copy the file "
+                         f"into {model_dir}")
+    return real
 
 
 def _restore_orbax(path: str, sharding):

@@ -168,3 +168,39 @@ def test_write_failures_are_one_line(tmp_path):
         assert os.listdir(ro) == []
     finally:
         os.chmod(ro, 0o755)
+
+
+def _copy_model(model_dir, tmp_path, name="m"):
+    dest = tmp_path / name
+    shutil.copytree(model_dir, dest)
+    return dest
+
+
+@pytest.mark.parametrize("change,want", [
+    (lambda m, out: (os.rename(m / "model.safetensors", out / "w.safetensors"),
+                     os.symlink(out / "w.safetensors", m / "model.safetensors")),
+     "model.safetensors leads outside the model directory"),
+    (lambda m, out: _edit_config(m, tokenizer=str(out)), "field 'tokenizer' leads outside"),
+    (lambda m, out: _edit_config(m, tokenizer=["x"]), "field 'tokenizer' is ['x']"),
+    (lambda m, out: _edit_config(m, vocab_size=10 ** 12),
+     "config.json: vocab_size must be an integer in [1, 2147483647], got 1000000000000"),
+    (lambda m, out: _edit_config(m, norm_eps=1e999), "norm_eps must be a finite number > 0"),
+    (lambda m, out: _edit_config(m, format="pickle"), "field 'format' is 'pickle'"),
+])
+def test_untrusted_model_directories_are_one_line(change, want, model_dir, tmp_path, capsys):
+    """Readers open nothing outside the model directory (symlinks resolved), and a malformed
+    config names the file and the field."""
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    m = _copy_model(model_dir, tmp_path)
+    change(m, out)
+    before = digests(tmp_path)
+    refused(["ppl", "--model", str(m), "--quiet"], capsys, want)
+    assert digests(tmp_path) == before
+
+
+def _edit_config(m, **kw):
+    meta = json.load(open(m / "config.json"))
+    for k, v in kw.items():
+        (meta if k in ("tokenizer", "format") else meta["model"])[k] = v
+    (m / "config.json").write_text(json.dumps(meta).replace("Infinity", "1e999"))

@@ -183,32 +183,35 @@ def test_impossible_cache_is_refused_with_its_size(monkeypatch):
     (["eval", "streameval", "--lines", "5"], "--lines must exceed 20"),
     (["eval", "passkey", "--depths", "1.5"], "--depths must lie in [0, 1]"),
     (["eval", "passkey", "--lengths", "abc"], "--lengths takes integers"),
-    (["eval", "sinks", "--n", "0"], "--n must be >= 1"),
-    (["eval", "sinks", "--seq-len", "0"], "--seq-len must be >= 1"),
-    (["eval", "passkey", "--trials", "0"], "--trials must be >= 1"),
+    (["eval", "sinks", "--n", "0"], "argument --n: 0 is out of range: an integer in [1, "),
+    (["eval", "sinks", "--seq-len", "0"], "argument --seq-len: 0 is out of range"),
+    (["eval", "passkey", "--trials", "0"], "argument --trials: 0 is out of range"),
     (["eval", "outliers", "--alpha", "5"], "--alpha must lie in [0, 1]"),
-    (["ppl", "--method", "dense", "--cache", "-3"], "cache must be >= 1"),
+    (["ppl", "--method", "dense", "--cache", "-3"],
+     "argument --cache: -3 is out of range: an integer in [1, 2147483647]"),
     (["generate", "--model", "embedded", "--prompt", "x", "--temperature", "nan"],
-     "temperature must be a finite number >= 0"),
+     "argument --temperature: nan is out of range: a finite number in [0, inf]"),
     (["generate", "--model", "embedded", "--prompt", "x", "--max-new-tokens",
-      "1000000000000"], "max_new_tokens must lie in [1, 2147483647]"),
+      "1000000000000"], "argument --max-new-tokens: 1000000000000 is out of range"),
     (["quantize", "--model", "embedded", "--n-seqs", "0", "--out", "q"],
-     "--n-seqs and --seq-len must be >= 1"),
+     "argument --n-seqs: 0 is out of range"),
     (["quantize", "--model", "embedded", "--seq-len", "0", "--out", "q"],
-     "--n-seqs and --seq-len must be >= 1"),
+     "argument --seq-len: 0 is out of range"),
     (["eval", "sinks", "--model", "embedded", "--keep-quantized"],
      "--keep-quantized applies to GGUF files"),
 ])
 def test_cli_arguments_out_of_range(args, msg, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(args) == 2
-    assert msg in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0], err
 
 
 def test_seed_past_64_bits_is_an_argument_error(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["generate", "--model", "embedded", "--prompt", "x", "--seed", "1" + "0" * 23])
-    assert e.value.code == 2 and "does not fit in 64 bits" in capsys.readouterr().err
+    assert main(["generate", "--model", "embedded", "--prompt", "x", "--seed",
+                 "1" + "0" * 23]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit in 64 bits" in err[0]
 
 
 def test_latin1_qa_file_is_named(tmp_path, capsys):

@@ -42,6 +42,7 @@ def cmd_plot(a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxllm.argtypes import COUNT
     from jaxllm.cli import Parser
 
     from .config import RECIPES
@@ -59,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"training text (None: the recipe's): {SOURCES}")
     r.add_argument("--tokenizer", default=None,
                    help="'byte' or a local HF tokenizer directory (None: the recipe's)")
-    r.add_argument("--steps", type=int, default=None,
+    r.add_argument("--steps", type=COUNT, default=None,
                    help="optimiser steps (None: the recipe's)")
-    r.add_argument("--pose", type=int, default=None, metavar="LT",
+    r.add_argument("--pose", type=COUNT, default=None, metavar="LT",
                    help="PoSE: train seq_len-token samples at position ids skipping up to LT "
                         "(the authors' two chunks; --set pose_span=N: text window N x seq_len)")
     r.add_argument("--mesh", default="", help="device mesh, e.g. data=2,fsdp=4 (default: all "
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model.num_layers=8 (repeatable)")
     r.add_argument("--distributed", action="store_true",
                    help="multi-host: call jax.distributed.initialize() first")
-    r.add_argument("--stop-after", type=int, default=None,
+    r.add_argument("--stop-after", type=COUNT, default=None,
                    help="stop after this step with a checkpoint (resume later)")
     r.add_argument("--no-resume", action="store_true", help="refuse to continue an existing run")
     r.add_argument("--restart", action="store_true",
@@ -87,8 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse(argv=None) -> argparse.Namespace:
+    """The command line parsed and its numbers validated (jaxllm.argtypes); bad input raises
+    jaxllm.cli.CliError (one line), no work done."""
+    return build_parser().parse_args(argv)
+
+
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    from jaxllm.cli import CliError
+    try:
+        a = parse(argv)
+    except CliError as e:
+        print(e, file=sys.stderr)
+        return 2
     try:
         a.fn(a)
     except (ValueError, FloatingPointError) as e:

@@ -118,23 +118,29 @@ def table(res: dict, a, cost: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from jaxllm.cli import Parser
+    from jaxllm.argtypes import COUNT, real
+    from jaxllm.cli import CliError, Parser, seed_int
     ap = Parser(prog="python -m train.experiments.pose", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="experiment directory")
-    ap.add_argument("--lc", type=int, default=64, help="training context Lc (tokens)")
-    ap.add_argument("--factor", type=int, default=8, help="Lt = factor x Lc")
-    ap.add_argument("--base-steps", type=int, default=600, help="base model steps at Lc")
-    ap.add_argument("--ft-steps", type=int, default=150, help="steps of every extension run")
-    ap.add_argument("--ft-lr", type=float, default=1e-3, help="fine-tuning learning rate")
-    ap.add_argument("--batch", type=int, default=16, help="sequences per step, every run")
-    ap.add_argument("--eval-tokens", type=int, default=2048,
+    ap.add_argument("--lc", type=COUNT, default=64, help="training context Lc (tokens)")
+    ap.add_argument("--factor", type=COUNT, default=8, help="Lt = factor x Lc")
+    ap.add_argument("--base-steps", type=COUNT, default=600, help="base model steps at Lc")
+    ap.add_argument("--ft-steps", type=COUNT, default=150, help="steps of every extension run")
+    ap.add_argument("--ft-lr", type=real(0.0, 1.0, lo_open=True), default=1e-3,
+                    help="fine-tuning learning rate")
+    ap.add_argument("--batch", type=COUNT, default=16, help="sequences per step, every run")
+    ap.add_argument("--eval-tokens", type=COUNT, default=2048,
                     help="held-out tokens per length for perplexity (the base run holds out "
                          "about 7,600 of the builtin corpus)")
-    ap.add_argument("--trials", type=int, default=2, help="passkeys per length and depth")
-    ap.add_argument("--seed", type=int, default=0, help="seed of every run and the passkeys")
+    ap.add_argument("--trials", type=COUNT, default=2, help="passkeys per length and depth")
+    ap.add_argument("--seed", type=seed_int, default=0, help="seed of every run and the passkeys")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a recipe field of every run (repeatable)")
-    a = ap.parse_args(argv)
+    try:
+        a = ap.parse_args(argv)
+    except CliError as e:
+        print(e, file=sys.stderr)
+        return 2
     from jaxllm.io import load_model
 
     from train.loop import heldout_text, train

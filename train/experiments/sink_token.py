@@ -156,6 +156,7 @@ def ship(out: str, dest: str, results: dict, command: str) -> None:
 
 
 def build_parser():
+    from jaxllm.argtypes import SIZE
     from jaxllm.cli import Parser
     ap = Parser(prog="python -m train.experiments.sink_token",
                 description=__doc__.split("\n\n")[0].replace("``", ""))
@@ -164,9 +165,9 @@ def build_parser():
                     help="override a recipe field (repeatable), e.g. steps=500 or "
                          "model.num_layers=4")
     ap.add_argument("--out", default=None, help="experiment directory (default runs/sink_PRESET)")
-    ap.add_argument("--window", type=int, default=0,
+    ap.add_argument("--window", type=SIZE, default=0,
                     help="cache size W for the table (default: half the training context)")
-    ap.add_argument("--eval-tokens", type=int, default=0,
+    ap.add_argument("--eval-tokens", type=SIZE, default=0,
                     help="held-out tokens streamed per cell (default: 8 training contexts)")
     ap.add_argument("--eval-only", action="store_true", help="only evaluate finished runs")
     ap.add_argument("--ship", metavar="DIR", default=None,
@@ -185,7 +186,12 @@ def main(argv=None) -> int:
     from train.config import recipe
     from train.loop import train
     from train.plot import plot_loss_curves
-    a = build_parser().parse_args(argv)
+    from jaxllm.cli import CliError
+    try:
+        a = build_parser().parse_args(argv)
+    except CliError as e:
+        print(e, file=sys.stderr)
+        return 2
     out = a.out or os.path.join("runs", f"sink_{a.preset}")
     base = recipe(a.preset, a.set)
     cache_dir = os.path.join(out, ".token_cache")

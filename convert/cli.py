@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxllm.cli import MODEL_HELP, OVERWRITE_HELP, CliError, check_out, load, sources
+from jaxllm.cli.common import MODEL_HELP, OVERWRITE_HELP, CliError, check_out, load, sources
 
 
 def add_convert(sub) -> None:

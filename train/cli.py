@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
 def cmd_run(a) -> None:
@@ -43,7 +42,7 @@ def cmd_plot(a) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxllm.argtypes import COUNT
-    from jaxllm.cli import Parser
+    from jaxllm.cli.common import Parser
 
     from .config import RECIPES
     from .data import SOURCES
@@ -95,15 +94,5 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from jaxllm.cli import CliError
-    try:
-        a = parse(argv)
-    except CliError as e:
-        print(e, file=sys.stderr)
-        return 2
-    try:
-        a.fn(a)
-    except (ValueError, FloatingPointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from jaxllm.cli.common import run
+    return run(build_parser(), argv, lambda args: "", (ValueError, FloatingPointError))

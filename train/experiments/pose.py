@@ -119,7 +119,7 @@ def table(res: dict, a, cost: dict) -> str:
 
 def main(argv=None) -> int:
     from jaxllm.argtypes import COUNT, real
-    from jaxllm.cli import CliError, Parser, seed_int
+    from jaxllm.cli.common import CliError, Parser, seed_int
     ap = Parser(prog="python -m train.experiments.pose", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="experiment directory")
     ap.add_argument("--lc", type=COUNT, default=64, help="training context Lc (tokens)")

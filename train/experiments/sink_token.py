@@ -157,7 +157,7 @@ def ship(out: str, dest: str, results: dict, command: str) -> None:
 
 def build_parser():
     from jaxllm.argtypes import SIZE
-    from jaxllm.cli import Parser
+    from jaxllm.cli.common import Parser
     ap = Parser(prog="python -m train.experiments.sink_token",
                 description=__doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--preset", default="tiny", help="training recipe (train.config.RECIPES)")
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     from train.config import recipe
     from train.loop import train
     from train.plot import plot_loss_curves
-    from jaxllm.cli import CliError
+    from jaxllm.cli.common import CliError
     try:
         a = build_parser().parse_args(argv)
     except CliError as e:

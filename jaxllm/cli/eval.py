@@ -1,0 +1,226 @@
+"""``jaxllm eval TASK``: StreamEval, passkey, QA, outliers, attention sinks, KV shift."""
+from __future__ import annotations
+
+
+import numpy as np
+
+from ..argtypes import COUNT, FRACTION, real
+from .common import (CliError, DEFAULT_MODEL, MODEL_HELP, add_keep_quantized_arg, add_policy_args,
+                     alpha_value, check_files, check_streamable, flag_names, load, policy,
+                     seed_int, sources, write_json)
+
+
+def _outliers_args(p) -> None:
+    p.add_argument("--layer", default=None, help="linear layer, e.g. layer_0/attn/q (the default)")
+    p.add_argument("--alpha", default=None, help="migration strength (family default)")
+    p.add_argument("--n-seqs", type=COUNT, default=16, help="calibration sequences")
+    p.add_argument("--seq-len", type=COUNT, default=256, help="tokens per calibration sequence")
+
+
+def _sinks_args(p) -> None:
+    p.add_argument("--n", type=COUNT, default=16, help="sequences averaged")
+    p.add_argument("--seq-len", type=COUNT, default=256, help="tokens per sequence")
+    p.add_argument("--eps", type=real(0.0), default=0.3, help="sink threshold")
+
+
+def _streameval_args(p) -> None:
+    add_policy_args(p)
+    p.add_argument("--lines", type=COUNT, default=400, help="register lines in the stream")
+    p.add_argument("--bucket", type=COUNT, default=2000,
+                   help="report accuracy per this many tokens of input")
+
+
+def _qa_args(p) -> None:
+    add_policy_args(p)
+    p.add_argument("--data", help="JSONL of {question, answer, choices?} (default: the built-in "
+                                  "synthetic sample)")
+    p.add_argument("--repeat", type=COUNT, default=50,
+                   help="with the sample: how many times to repeat it")
+
+
+def _passkey_args(p) -> None:
+    add_policy_args(p)
+    p.add_argument("--lengths", default="500,1000,2000", help="stream lengths (tokens)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="key depths in [0, 1]")
+    p.add_argument("--trials", type=COUNT, default=5, help="keys per length and depth")
+
+
+def _kv_shift_args(t) -> None:
+    t.add_argument("--prompt-tokens", type=COUNT, default=512,
+                   help="tokens whose heavy hitters are compared")
+    t.add_argument("--stream-tokens", type=COUNT, default=2048,
+                   help="tokens streamed through H2O for the perplexity of each set")
+    t.add_argument("--bits", default="8,4,3,2", help="KV bit widths, comma-separated")
+    t.add_argument("--heavy", type=FRACTION, default=0.1, help="heavy share of the text (0.1)")
+    t.add_argument("--recent", type=FRACTION, default=0.1, help="recent share of the text (0.1)")
+
+
+def _eval_kv_shift(a, cfg, params, tok) -> dict:
+    from ..corpus import builtin_corpus
+    from ..evals.kv_shift import kv_shift, plot_kv_shift
+    try:
+        bits = tuple(int(b) for b in a.bits.split(","))
+        rep = kv_shift(params, cfg, tok.encode(builtin_corpus()), bits, a.prompt_tokens,
+                       a.heavy, a.recent, a.stream_tokens)
+    except ValueError as e:
+        raise CliError(flag_names(e) if "kv" in str(e) else str(e)) from None
+    for r in rep["layers"]:
+        print(f"layer {r['layer']}: overlap with float " + ", ".join(
+            f"{b}-bit {r[f'overlap_{b}-bit']:.2f}" for b in bits) +
+            f"; attention vs {min(bits)}-bit error, Spearman "
+            f"{r[f'spearman_{min(bits)}-bit']:+.2f}")
+    print("H2O ppl: " + ", ".join(f"{k} {v:.3f}" for k, v in rep["h2o_ppl"].items()))
+    plot_kv_shift(rep, a.out + ".png", f"{a.model}: heavy hitters under KV quantization")
+    return rep
+
+
+EVAL_TASKS = {  # name: (help, its own options)
+    "streameval": ("register lines queried 20 lines back (StreamingLLM Fig. 9)", _streameval_args),
+    "passkey": ("a 5-digit key hidden in filler, by length and depth", _passkey_args),
+    "qa": ("question/answer records from a JSONL file in one stream", _qa_args),
+    "sinks": ("attention maps and the sink metric per layer", _sinks_args),
+    "outliers": ("activation outlier channels before/after smoothing", _outliers_args),
+    "kv-shift": ("heavy hitters of float vs k-bit KV, and attention vs quantization error "
+                 "(Q-Hitter Table 1, Fig. 2-3)", _kv_shift_args),
+}
+
+
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="StreamEval, passkey retrieval, attention-sink analysis")
+    tasks = p.add_subparsers(dest="task", required=True)
+    for name, (hlp, own_args) in EVAL_TASKS.items():
+        t = tasks.add_parser(name, help=hlp)
+        t.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+        # (no hyphen in the default: argparse would wrap the help line there)
+        t.add_argument("--out", default=f"eval_out/{name.replace('-', '_')}",
+                       help="writes OUT.json and OUT.png")
+        t.add_argument("--seed", type=seed_int, default=0,
+                       help="random seed (task content, sampled sequences)")
+        t.add_argument("--quiet", action="store_true", help="no progress output")
+        add_keep_quantized_arg(t)
+        own_args(t)
+        t.set_defaults(fn=cmd_eval)
+
+
+def _check_eval_args(a) -> None:
+    """Every eval argument in range before any work (a bad one named by its flag)."""
+    def need(ok, msg):
+        if not ok:
+            raise CliError(msg)
+    for flag in ("n", "seq_len", "n_seqs", "trials", "lines", "repeat", "bucket"):
+        v = getattr(a, flag, None)
+        need(v is None or v >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if a.task == "streameval":
+        need(a.lines > 20, f"--lines must exceed 20 (each query asks about the line 20 back), "
+                           f"got {a.lines}")
+    if a.task == "sinks":
+        need(0 < a.eps < 1, f"--eps must lie in (0, 1), got {a.eps}")
+    if a.task == "outliers" and a.alpha is not None:
+        need(0 <= alpha_value(a.alpha, "--alpha") <= 1, f"--alpha must lie in [0, 1], got {a.alpha}")
+    if a.task == "passkey":
+        try:
+            a.lengths_list = [int(x) for x in a.lengths.split(",")]
+            a.depths_list = [float(x) for x in a.depths.split(",")]
+        except ValueError:
+            raise CliError(f"--lengths takes integers and --depths numbers, comma-separated "
+                           f"(e.g. 500,1000 and 0,0.5,1); got {a.lengths!r} and {a.depths!r}"
+                           ) from None
+        need(all(n >= 1 for n in a.lengths_list), f"--lengths must be positive, got {a.lengths}")
+        need(all(0 <= d <= 1 for d in a.depths_list), f"--depths must lie in [0, 1], got "
+                                                      f"{a.depths}")
+
+
+def _eval_outliers(a, cfg, params, tok) -> dict:
+    from ..corpus import builtin_corpus
+    from ..smoothquant import CalibConfig, outlier_report, plot_outliers
+    try:
+        rep = outlier_report(params, cfg, tok.encode(builtin_corpus()), a.layer,
+                             None if a.alpha is None else alpha_value(a.alpha, "--alpha"),
+                             CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(f"{rep['layer']}: activation max/median per channel "
+          f"{rep['act_max_over_median_before']:.1f} before smoothing, "
+          f"{rep['act_max_over_median_after']:.1f} after (alpha {rep['alpha']})")
+    plot_outliers(rep, a.out + ".png", a.model)
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in rep.items()}
+
+
+def _eval_sinks(a, cfg, params, tok) -> dict:
+    from ..corpus import builtin_corpus
+    from ..evals import attention as att
+    try:
+        maps, result = att.sink_report(params, cfg, tok.encode(builtin_corpus()), a.n,
+                                       a.seq_len, a.eps, a.seed)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(f"sink metric (share of heads with mean attention to token 0 > {a.eps}): "
+          f"{result['overall']:.2f}; per layer " + " ".join(f"{x:.2f}" for x in result["per_layer"]))
+    att.plot_maps(maps, a.out + ".png", f"{a.model}: attention over the first 16 tokens, "
+                  f"sink metric {result['overall']:.2f}")
+    return result
+
+
+def _eval_streameval(a, cfg, params, tok, pc) -> dict:
+    from ..evals import streameval
+    from ..evals.common import score_task
+    task = streameval.streameval_task(a.lines, tok.encode, a.seed)
+    ok = score_task(params, cfg, task, pc, progress=not a.quiet)
+    rows = streameval.accuracy_by_length(task, ok, a.bucket)
+    print(f"StreamEval {pc.label}: accuracy {ok.mean():.3f} over {len(ok)} queries, "
+          f"{len(task.ids)} tokens")
+    streameval.plot_accuracy(rows, a.out + ".png", f"{a.model} · StreamEval · {pc.label}")
+    return dict(tokens=int(len(task.ids)), queries=len(ok), accuracy=float(ok.mean()),
+                by_length=rows)
+
+
+def _eval_qa(a, cfg, params, tok, pc) -> dict:
+    from ..evals import qa
+    from ..evals.common import score_task
+    try:
+        records = qa.read_jsonl(a.data) if a.data else qa.SAMPLE * a.repeat
+    except (OSError, ValueError) as e:
+        raise CliError(str(e)) from None
+    task = qa.qa_task(records, tok.encode)
+    ok = score_task(params, cfg, task, pc, progress=not a.quiet)
+    print(f"streaming QA {pc.label}: exact match {ok.mean():.3f} over {len(ok)} answers, "
+          f"{len(task.ids)} tokens")
+    qa.plot_running(ok, a.out + ".png", f"{a.model} · streaming QA · {pc.label}")
+    return dict(data=a.data or "sample", records=len(ok), tokens=int(len(task.ids)),
+                accuracy=float(ok.mean()), correct=[bool(x) for x in ok])
+
+
+def _eval_passkey(a, cfg, params, tok, pc) -> dict:
+    from ..evals import passkey
+    report = None if a.quiet else (
+        lambda n, d, acc: print(f"  {n} tokens, depth {d:.2f}: {acc:.2f}", flush=True))
+    grid = passkey.passkey_grid(params, cfg, tok.encode, pc, a.lengths_list, a.depths_list,
+                                a.trials, a.seed, report)
+    print(f"passkey {pc.label}: mean accuracy {grid.mean():.3f}")
+    passkey.plot_heatmap(grid, a.lengths_list, a.depths_list, a.out + ".png",
+                         f"{a.model} · passkey · {pc.label}")
+    return dict(lengths=a.lengths_list, depths=a.depths_list, trials=a.trials,
+                accuracy=grid.tolist(), mean=float(grid.mean()))
+
+
+def cmd_eval(a) -> None:
+    """StreamEval, passkey, QA and attention-sink analysis; each writes OUT.json and OUT.png."""
+    _check_eval_args(a)
+    # The outputs first: a finished evaluation must never die on a missing folder, nor
+    # replace a file it did not write.
+    srcs = sources(a.model) + [p for p in (getattr(a, "data", None),) if p]
+    check_files({"--out (.json)": a.out + ".json", "--out (.png)": a.out + ".png"}, srcs)
+    cfg, params, tok = load(a.model, keep_quantized=a.keep_quantized)
+    result = {"model": a.model, "task": a.task}
+    if a.task in ("outliers", "sinks", "kv-shift"):
+        run = {"outliers": _eval_outliers, "sinks": _eval_sinks,
+               "kv-shift": _eval_kv_shift}[a.task]
+        result.update(run(a, cfg, params, tok))
+    else:
+        pc = policy(a)
+        check_streamable(cfg, pc)
+        result.update(method=pc.method, sinks=pc.sinks, cache=pc.cache)
+        run = {"streameval": _eval_streameval, "qa": _eval_qa, "passkey": _eval_passkey}[a.task]
+        result.update(run(a, cfg, params, tok, pc))
+    print(f"wrote {a.out}.png")
+    write_json(a.out + ".json", result, srcs)

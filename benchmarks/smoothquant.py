@@ -172,7 +172,7 @@ def speed(a) -> tuple[str, str]:
              f"dynamic activations), embedding table int8 per row. Weights ratio {ratio:.3f} "
              f"(target <= 0.27: {'met' if ratio <= 0.27 else 'NOT met'}); target speed-up >= 1.5x. "
              f"A decode step also reads the float32 KV cache several times (keys are re-rotated "
-             f"each step, REFERENCE §1); at batch 8 with 256 slots that traffic, not the "
+             f"each step, docs/METHODS.md §1); at batch 8 with 256 slots that traffic, not the "
              f"matmuls, dominates on this CPU (~5 GB/s DRAM), so the 4+28 rows show the "
              f"matmul-bound regime. The cache path is the evaluation issue's to speed up.")
     return "\n".join(lines), notes

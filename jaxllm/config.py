@@ -27,7 +27,7 @@ class RopeScaling:
       ``original_max_len / low_freq_factor`` are divided by ``factor``, below
       ``original_max_len / high_freq_factor`` kept, and smoothly interpolated between.
     * ``ntk`` (static, "NTK-aware"): the base becomes ``theta * factor ** (d / (d - 2))``.
-    * ``yarn`` (Peng et al. 2023, the reference code ``scaled_rope/``; METHODS.md §5): per
+    * ``yarn`` (Peng et al. 2023, the reference code ``scaled_rope/``; docs/METHODS.md §6): per
       dimension index i < d/2 a linear ramp from extrapolation (θ_i, below ``low``) to
       interpolation (θ_i / factor, above ``high``), with ``low = floor(corr(beta_fast))``, ``high =
       ceil(corr(beta_slow))`` and ``corr(r) = d ln(original_max_len / (2πr)) / (2 ln theta)``; and
@@ -123,7 +123,7 @@ class ModelConfig:
     max_seq_len: int = 2048  # pre-training context (the size of a learned position table)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
     init_std: float = 0.02
-    # Sink-token pre-training (REFERENCE §2): "learnable" adds one embedding row, id
+    # Sink-token pre-training (docs/METHODS.md §2): "learnable" adds one embedding row, id
     # ``sink_id`` = vocab_size, put first in every training sample and every stream; "zero" is
     # softmax-off-by-one, e^{x_i} / (1 + sum_j e^{x_j}), a key and value of all zeros.
     sink: Literal["none", "learnable", "zero"] = "none"

@@ -1,4 +1,4 @@
-"""Cache policies: which past tokens each prediction sees (StreamingLLM §3, REFERENCE §1).
+"""Cache policies: which past tokens each prediction sees (StreamingLLM §3, docs/METHODS.md §1).
 
 The one home of the rules every entry point (ppl, evals, generate, the CLI, the demo, the
 benchmarks, training) shares:

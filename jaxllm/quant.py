@@ -1,4 +1,4 @@
-"""INT8 tensors and matmuls (SmoothQuant, Xiao et al. 2023, §2 and REFERENCE §3).
+"""INT8 tensors and matmuls (SmoothQuant, Xiao et al. 2023, §2 and docs/METHODS.md §3).
 
 Symmetric quantization: Δ = max|X| / 127, X̄ = clip(round(X / Δ), -127, 127). An INT8 GEMM can
 only rescale along its outer dimensions, Y = diag(Δ_X) (X̄ W̄) diag(Δ_W) (eq. 2), so activation

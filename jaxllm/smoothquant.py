@@ -1,4 +1,4 @@
-"""SmoothQuant W8A8 (Xiao et al. 2023; REFERENCE §3): calibration, smoothing, quantization.
+"""SmoothQuant W8A8 (Xiao et al. 2023; docs/METHODS.md §3): calibration, smoothing, quantization.
 
 1. **Calibrate**: run the float model over calibration text and record, for the input of every
    linear layer, the per-channel max |X_j| (per-tensor statistics are their max).

@@ -1,7 +1,7 @@
 """Pallas INT8 kernels: the W8A8 matmul with a fused dequantization epilogue, the batched
 version for attention, and per-token quantization fused with the preceding norm.
 
-Two lowerings of the same algorithm (REFERENCE §7):
+Two lowerings of the same algorithm (docs/METHODS.md §8):
 
 * ``triton`` (GPU): a 2-D grid over (M, N) blocks; each program walks K in ``bk`` steps with
   int8 x int8 -> int32 ``dot`` (accumulated as ``acc + dot``: the ``dot(a, b, acc)`` form broke
@@ -42,7 +42,7 @@ class Blocks:
 def default_blocks(backend: str, M: int) -> Blocks:
     """Block sizes per backend and M regime. GPU: decode (M <= 16) streams the weight, so wide
     N blocks and long K steps; prefill uses 128x128 tiles (Hopper int8 needs bm % 64 == 0 and
-    bk >= 32, REFERENCE §7). TPU: MXU-sized tiles, int8 sublane multiple 32."""
+    bk >= 32, docs/METHODS.md §8). TPU: MXU-sized tiles, int8 sublane multiple 32."""
     if backend == "triton":
         if M <= 16:
             return Blocks(16, 64, 256, num_warps=4, num_stages=4)

@@ -33,7 +33,7 @@ def _gelu(x):
 
 
 def _inv_freq(cfg, seq_len):
-    """RoPE inverse frequencies from the formulas (REFERENCE §5; Llama 3.1 for llama3)."""
+    """RoPE inverse frequencies from the formulas (docs/METHODS.md §6; Llama 3.1 for llama3)."""
     r, s, theta = cfg.rotary_dim, cfg.rope_scaling, cfg.rope_theta
     if s is not None and s.kind == "dynamic" and seq_len > s.original_max_len:
         theta = theta * (s.factor * seq_len / s.original_max_len - (s.factor - 1)) ** (r / (r - 2))
@@ -142,7 +142,8 @@ class NaiveStream:
         cfg, p = self.cfg, self.p
         x = p["embed"]["embedding"][token]
         self.kept.append(self.t)
-        # Token t attends to sinks 0..S-1 and tokens t-W+1..t (REFERENCE §1): S+W keys with itself.
+        # Token t attends to sinks 0..S-1 and tokens t-W+1..t (docs/METHODS.md §1): S+W keys
+        # with itself.
         trim = self.W is not None and len(self.kept) > self.S + self.W
         if trim:
             del self.kept[self.S]
@@ -189,7 +190,7 @@ def naive_logits(params, cfg, tokens, sinks=0, window=None) -> np.ndarray:
 
 
 class NaiveEvictStream(NaiveStream):
-    """H2O / Q-Hitter token by token (jaxllm.kv.evict's rules, written from METHODS.md §1-2): per
+    """H2O / Q-Hitter token by token (jaxllm.kv.evict's rules, from docs/METHODS.md §4): per
     layer and KV head a Python list of kept entries in stream order; each token is appended,
     attended to at list positions 0..n-1 (position rolling), its group's attention added to every
     entry's score; then, above S+H+R entries, the lowest-scoring candidate (neither one of the

@@ -41,8 +41,9 @@ YARN = dataclasses.replace(LLAMA, rope_scaling=jaxllm.config.RopeScaling(
 @pytest.mark.parametrize("family", ["neox", "llama", "llama-yarn"])
 def test_one_layer_equals_forward_on_kept_tokens(family):
     # With one layer, a cached key depends only on its token, so the cache must equal the plain
-    # forward over [kept sinks + last W tokens] at positions 0..n-1 (REFERENCE §1). Fed as one
-    # chunk of 23 (blocks of W) and then a token at a time: both paths, over ring wrap-arounds.
+    # forward over [kept sinks + last W tokens] at positions 0..n-1 (docs/METHODS.md §1). Fed as
+    # one chunk of 23 (blocks of W) and then a token at a time: both paths, over ring
+    # wrap-arounds.
     cfg = dataclasses.replace(YARN if family == "llama-yarn" else CFGS[family], num_layers=1)
     params = jaxllm.init_params(cfg, jax.random.key(5))
     S, W, N = 3, 6, 40

@@ -142,7 +142,7 @@ def test_logits_and_greedy_match_transformers(name, saved):
 def test_streaming_one_layer_matches_transformers_recompute(name):
     """One layer: a cached key depends only on its token, so StreamingLLM's logits for token t
     must equal transformers run on [sinks + the last W tokens] at positions 0..n-1
-    (REFERENCE §1; for ALiBi that is the contiguous in-cache distance)."""
+    (docs/METHODS.md §1; for ALiBi that is the contiguous in-cache distance)."""
     model = build_hf(name, **({"n_layers": 1} if "mpt" in name else {"num_hidden_layers": 1}))
     cfg, params = convert.from_hf(model)  # the in-memory path
     S, W, N = 2, 5, 30
@@ -424,7 +424,8 @@ LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidde
 
 
 def test_hub_configs_map_to_the_published_architectures():
-    # The presets were written from the papers' tables (REFERENCE §2), independently of the reader.
+    # The presets were written from the papers' tables (docs/METHODS.md §2), independently of
+    # the reader.
     assert convert.config_from_hf(PYTHIA_160M) == jaxllm.PRESETS["pythia-160m"]
     assert convert.config_from_hf(LLAMA2_7B) == jaxllm.PRESETS["llama2-7b"]
     llama31 = dict(LLAMA2_7B, num_key_value_heads=8, rope_theta=500000.0, vocab_size=128256,

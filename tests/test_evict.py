@@ -1,5 +1,5 @@
 """H2O and Q-Hitter (jaxllm.kv.evict) against independent references: a numpy port of the H2O
-authors' layer-wise cache fed attention tensors directly (METHODS.md §1 "Test"), hand-built
+authors' layer-wise cache fed attention tensors directly (docs/METHODS.md §4), hand-built
 Q-Hitter cases (§2 "Test"), the naive list cache of tests/reference.py implementing the same
 policy token by token, the full-attention forward for a prompt fed in one chunk, and StreamingLLM
 (H2O without heavy hitters is a sink + window cache)."""

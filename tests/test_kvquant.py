@@ -1,7 +1,7 @@
-"""The quantized KV cache against independent numpy references written from METHODS.md
-(§Q-Hitter quantizer, §KIVI quantizer and packing), not from jaxllm.kv.quantized: the quantizers'
-golden cases, the packing, and whole-model logits of a streamed, chunked run against the naive
-list cache storing every non-sink token quantized by the numpy quantizer."""
+"""The quantized KV cache against independent numpy references written from docs/METHODS.md
+§5 (Q-Hitter's quantizer, KIVI's quantizer and packing), not from jaxllm.kv.quantized: the
+quantizers' golden cases, the packing, and whole-model logits of a streamed, chunked run against
+the naive list cache storing every non-sink token quantized by the numpy quantizer."""
 import dataclasses
 
 import jax
@@ -264,7 +264,7 @@ def test_group_must_divide_head_dim():
 
 # ---- KIVI ----------------------------------------------------------------------------------------
 class KiviList:
-    """The authors' KIVI buffers for one layer, as a list cache (METHODS.md §KIVI): keys stay in
+    """The authors' KIVI buffers for one layer, as a list cache (docs/METHODS.md §5): keys stay in
     full precision until R have accumulated since the last flush, then are quantized per channel
     in groups of G tokens; values are quantized per token (G channels) once R newer tokens
     exist; both after the step's attention. Sinks stay in full precision; eviction drops the
@@ -311,7 +311,7 @@ class KiviList:
 
 
 def test_kivi_buffer_counts_after_prefill_and_decode():
-    """METHODS.md §KIVI: T=100, R=32, G=32: after prefill 96 keys quantized and 4 full, 68 values
+    """docs/METHODS.md §5: T=100, R=32, G=32: after prefill 96 keys quantized and 4 full, 68 values
     quantized and 32 full; after 28 decode steps 128 keys quantized and 0 full, values 32 full."""
     spec = kq.KVQuant("kivi", bits=4, group=32, residual=32)
     cfg = jaxllm.ModelConfig.llama(vocab_size=64, hidden_size=128, num_layers=1, num_heads=4,

@@ -1,5 +1,5 @@
 """RoPE scaling (YaRN, NTK, NTK-by-parts) and explicit positions, against the YaRN reference's
-golden values (METHODS.md §5), a numpy port of its formulas, and transformers itself."""
+golden values (docs/METHODS.md §6), a numpy port of its formulas, and transformers itself."""
 import math
 
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from jaxllm.rope import inv_freq, yarn_range
 
 
 def np_yarn(d, base, L_orig, s, beta_fast=32, beta_slow=1):
-    """The reference (scaled_rope/LlamaYaRNScaledRotaryEmbedding.py) as METHODS.md §5 states it:
+    """The reference (scaled_rope/LlamaYaRNScaledRotaryEmbedding.py), docs/METHODS.md §6:
     inv_i = θ_i (1 - ramp_i) + θ_i / s · ramp_i, mscale = 0.1 ln s + 1."""
     theta = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
     corr = lambda r: d * math.log(L_orig / (2 * math.pi * r)) / (2 * math.log(base))  # noqa
@@ -145,7 +145,7 @@ from train.pose import draw, pose_sample  # noqa: E402
 
 
 def np_pose(ids, Lc, rt1, rt2, rt):
-    """A numpy port of the authors' train_preprocess_function_pose (METHODS.md §4), for given
+    """A numpy port of the authors' train_preprocess_function_pose (docs/METHODS.md §6), for given
     draws: two chunks, chunk 1 at content and position 0, chunk 2 shifted by rt."""
     len_chunk = min(len(ids), Lc)
     lt1, rt1_ = 0, rt1

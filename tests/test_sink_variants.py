@@ -1,4 +1,4 @@
-"""Sink-token variants (REFERENCE §2) in the model: zero sink against an explicit prepended
+"""Sink-token variants (docs/METHODS.md §2) in the model: zero sink against an explicit prepended
 all-zero key/value token, learnable sink as one extra embedding row that streams first."""
 import dataclasses
 

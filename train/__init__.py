@@ -1,4 +1,4 @@
-"""Pre-training of Pythia-style models with and without a sink token (REFERENCE §2).
+"""Pre-training of Pythia-style models with and without a sink token (docs/METHODS.md §2).
 
 ``TrainConfig`` (one frozen recipe), ``train()`` (the sharded, checkpointed, resumable loop),
 ``python -m train run|plot`` (the CLI) and ``python -m train.experiments.sink_token`` (vanilla vs

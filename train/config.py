@@ -10,7 +10,7 @@ from jaxllm.policy import check_positions
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """A training run. Defaults are the Pythia optimiser recipe (REFERENCE §2): AdamW
+    """A training run. Defaults are the Pythia optimiser recipe (docs/METHODS.md §2): AdamW
     (0.9, 0.95, 1e-8), lr 6e-4, 1% linear warm-up, cosine to 10% of peak, weight decay 0.1 off
     biases and norms, gradient clipping at 1.0, bfloat16 compute over float32 master weights."""
 
@@ -206,7 +206,7 @@ RECIPES: dict[str, TrainConfig] = {
     # One GPU: the scale at which attention sinks are probed (the sink-emergence issue). A
     # ~6.4M-parameter byte-level GPT-NeoX (8 layers, hidden 256, 4 heads of 64, rotary on 25%)
     # on 512-byte samples of the `site` corpus; 32K tokens per step, many steps (sinks follow
-    # optimisation steps as much as tokens, REFERENCE §2). `steps` is set per run by the
+    # optimisation steps as much as tokens, docs/METHODS.md §2). `steps` is set per run by the
     # device time at hand (docs/RESULTS.md records the value used).
     "gpu-6m": TrainConfig(model=ModelConfig.gpt_neox(vocab_size=BYTE_VOCAB, hidden_size=256,
                                                      num_layers=8, num_heads=4,

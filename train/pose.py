@@ -2,10 +2,10 @@
 Skip-wise Training"): train at a short length Lc with position ids that skip, so the model sees
 relative distances up to a target Lt at Lc's cost.
 
-The sampling is the authors' code (``train_pose.py: train_preprocess_function_pose``; METHODS.md
-§4), which departs from the paper's N chunks: two chunks, the first always starting at content
-and position 0 and at most about Lc/2 long, the second taken from further in the text and
-shifted to a random offset:
+The sampling is the authors' code (``train_pose.py: train_preprocess_function_pose``;
+docs/METHODS.md §6), which departs from the paper's N chunks: two chunks, the first always
+starting at content and position 0 and at most about Lc/2 long, the second taken from further in
+the text and shifted to a random offset:
 
     len_chunk = min(len(ids), Lc)
     chunk 1 = ids[0 : rt1],  rt1 ~ U{1 .. (len_chunk + 1) // 2}

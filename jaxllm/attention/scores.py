@@ -45,7 +45,7 @@ def softmax(scores, mask, cfg: ModelConfig):
     """Attention probabilities over the last axis, masked keys excluded (``mask`` broadcasts)."""
     scores = jnp.where(mask, scores, NEG_INF)
     if cfg.sink == "zero":
-        # softmax-off-by-one: a virtual key with score q.0 = 0 and value 0 (REFERENCE §2).
+        # softmax-off-by-one: a virtual key with score q.0 = 0 and value 0 (docs/METHODS.md §2).
         return jax.nn.softmax(jnp.concatenate([jnp.zeros_like(scores[..., :1]), scores], -1),
                               axis=-1)[..., 1:]
     return jax.nn.softmax(scores, axis=-1)
@@ -81,7 +81,7 @@ def model_slopes(cfg: ModelConfig):
 def part_scores(q, q_rot: Rotation, k, k_rot: Rotation, cfg: ModelConfig, int8_att=None):
     """Scores of queries [B, T, H, Dh] against head-major keys [B, KVH, L, Dh], both at
     in-cache positions: RoPE rotates both; ALiBi subtracts slope * (q_pos - k_pos), the
-    contiguous in-cache distance (REFERENCE §1); learned absolute positions were added to the
+    contiguous in-cache distance (docs/METHODS.md §1); learned absolute positions were added to the
     input."""
     q, k = apply_rope(q, q_rot), apply_rope(k, k_rot, head_major=True)
     s = scores(q, k, cfg, int8_att)  # [B, KVH, G, T, L]

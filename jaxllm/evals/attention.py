@@ -1,4 +1,4 @@
-"""Attention sinks in a model's own attention maps (StreamingLLM Fig. 2 and 7; REFERENCE §2).
+"""Attention sinks in a model's own attention maps (StreamingLLM Fig. 2 and 7; docs/METHODS.md §2).
 
 The sink metric (Gu et al., "When Attention Sink Emerges"): for layer l and head h,
 α(l, h) = mean over queries t >= k of the attention from t to token k; the metric is the share of

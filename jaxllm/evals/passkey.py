@@ -1,4 +1,4 @@
-"""Passkey retrieval (Mohtashami & Jaggi 2023; REFERENCE §5): a 5-digit key hidden at a given
+"""Passkey retrieval (Mohtashami & Jaggi 2023; docs/METHODS.md §6): a 5-digit key hidden at a given
 depth of repeated filler, asked for at the end. One stream per trial. The layout is the one the
 PoSE authors' eval_passkey.py uses: the task, filler, the key line, filler, the question."""
 from __future__ import annotations

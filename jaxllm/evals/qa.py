@@ -1,4 +1,4 @@
-"""Streaming QA (StreamingLLM §4.2, the ARC setting; REFERENCE §1): question/answer records
+"""Streaming QA (StreamingLLM §4.2, the ARC setting; docs/METHODS.md §1): question/answer records
 concatenated into one stream, each answer scored by exact match where it occurs. The records are
 the user's (a JSONL file); ``SAMPLE`` is a small synthetic set for tests and smoke runs."""
 from __future__ import annotations

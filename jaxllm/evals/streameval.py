@@ -1,4 +1,4 @@
-"""StreamEval (StreamingLLM §4.3, Fig. 9; REFERENCE §1): a stream of register lines,
+"""StreamEval (StreamingLLM §4.3, Fig. 9; docs/METHODS.md §1): a stream of register lines,
 "The REGISTER_CONTENT in line {i} is <{5 digits}>.", with a query after every ``every`` new lines
 about the line ``lookback`` lines back. The query repeats that line's format, so the answer is
 the 5 digits; it is scored by exact match and then stays in the stream, as text would."""

@@ -12,7 +12,7 @@ One cache type serves every policy:
   tokens are chosen by accumulated attention (and quantization error); per-slot scores and
   positions ride along in ``scores``. The ring arithmetic below does not apply to them.
 
-Semantics (the authors' ``eval_long_ppl.py``, REFERENCE §1): token ``t`` attends to the sinks
+Semantics (the authors' ``eval_long_ppl.py``, docs/METHODS.md §1): token ``t`` attends to the sinks
 ``0..S-1`` and to tokens ``t-W+1..t``, exactly as if the cache were trimmed to ``S + W`` after every
 token. **Positions are assigned inside the cache**: the kept tokens are numbered 0, 1, 2, ... in
 stream order, so the query sits at ``min(t, S+W-1)``.

@@ -9,7 +9,7 @@ there, attends over all ``C + 1`` (the authors attend over hh + recent + 1), add
 it paid to every slot to that slot's accumulated score, and then evicts one token, whose slot
 becomes the next free one. So a decode step writes one row of K and V and never moves the others.
 
-Scores (METHODS.md §1-2, the authors' ``H2OKVCache_LayerWise``):
+Scores (docs/METHODS.md §4, the authors' ``H2OKVCache_LayerWise``):
 
 * accumulated attention: every query's softmax row is added to the scores of the keys it saw,
   summed over the query heads of a KV head's group (GQA: the authors handle MHA only, where the

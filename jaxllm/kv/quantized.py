@@ -1,7 +1,7 @@
 """Quantized KV-cache storage: int8 and k-bit per-token codes in the fixed-shape cache (KIVI's
 stores, which build on these quantizers, are jaxllm.kv.kivi).
 
-Formats (``KVQuant.format``; METHODS.md §Q-Hitter quantizer, §KIVI):
+Formats (``KVQuant.format``; docs/METHODS.md §5):
 
 * ``none``: float keys and values (the cache's ``dtype``).
 * ``int8``: per token and head, symmetric: Δ = max|x| / 127, codes = round(x / Δ) in int8.

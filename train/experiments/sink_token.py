@@ -1,4 +1,4 @@
-"""The sink-token experiment (StreamingLLM §3.3, REFERENCE §2): vanilla, zero-sink and
+"""The sink-token experiment (StreamingLLM §3.3, docs/METHODS.md §2): vanilla, zero-sink and
 learnable-sink models trained under identical settings, then
 
 * streaming perplexity on held-out text with caches 0+W, 1+(W-1), 2+(W-2), 4+(W-4) (Table 3),

@@ -86,7 +86,7 @@ def accuracy(a) -> tuple[str, str]:
         jaxllm.save_model(path, cfg, params, overwrite=True)
     cc = sq.CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len, heldout_seqs=8)
     calib_ids = train_ids[-200_000:]  # calibration text: training-domain, not the test split
-    stats = sq.calibrate(params, cfg, sq._samples(calib_ids, cc, False)[0])
+    stats = sq.calibrate(params, cfg, sq.calibration_windows(calib_ids, cc, False)[0])
     natural = outlier_ratio(stats)
     injected = natural < 20
     if injected:

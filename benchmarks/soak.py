@@ -44,7 +44,7 @@ def main():
     import jaxllm
     from jaxllm.corpus import builtin_corpus
     from jaxllm.policy import CachePolicy
-    from jaxllm.ppl import _nll_chunk
+    from jaxllm.ppl import nll_chunk
     cfg, params, tok = jaxllm.load_model(a.model)
     base = np.asarray(tok.encode(builtin_corpus()), np.int32)
     ids = np.resize(base, a.tokens + 1)  # the corpus repeated
@@ -60,7 +60,7 @@ def main():
         toks = np.zeros((1, C), np.int32)
         tgts = np.zeros((1, C), np.int32)
         toks[0, :m], tgts[0, :m] = ids[s:s + m], ids[s + 1:s + 1 + m]
-        (nll, _), cache = _nll_chunk(params, cfg, cache, jnp.asarray(toks), jnp.asarray(tgts),
+        (nll, _), cache = nll_chunk(params, cfg, cache, jnp.asarray(toks), jnp.asarray(tgts),
                                      jnp.asarray([m], jnp.int32),
                                      stepwise=a.method != "streaming")
         v = np.asarray(nll)[0, :m].astype(np.float64)

@@ -23,14 +23,14 @@ from _record import record  # noqa: E402
 
 from train import sharding as shd  # noqa: E402
 from train.config import recipe  # noqa: E402
-from train.loop import _state_shardings, step_bytes  # noqa: E402
+from train.loop import shardings_of_state, step_bytes  # noqa: E402
 from train.step import compile_step, init_state  # noqa: E402
 
 
 def train_step_bytes(cfg) -> int:
     mesh = shd.make_mesh(0, 1)
     abstract = jax.eval_shape(lambda k: init_state(cfg, k), jax.random.key(0))
-    shardings = _state_shardings(mesh, abstract, shd.param_shardings(mesh, abstract["params"]))
+    shardings = shardings_of_state(mesh, abstract, shd.param_shardings(mesh, abstract["params"]))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          abstract, shardings)
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jax.numpy.int32,

@@ -35,7 +35,7 @@ def _score(logits, targets):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "stepwise"), donate_argnames=("cache",))
-def _nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens, stepwise: bool = False):
+def nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens, stepwise: bool = False):
     if not stepwise:
         logits, cache = apply(params, cfg, toks, cache, lens)
         return _score(logits, targets), cache
@@ -70,7 +70,7 @@ def _cached_nll(params, cfg, tokens, pc: PplConfig, bar):
         toks = np.zeros((1, C), np.int32)
         tgts = np.zeros((1, C), np.int32)
         toks[0, :m], tgts[0, :m] = tokens[s:s + m], tokens[s + 1:s + 1 + m]
-        (out, ok), cache = _nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32),
+        (out, ok), cache = nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32),
                                       stepwise=pc.method in SCORED)
         nll[s:s + m], hit[s:s + m] = np.asarray(out)[0, :m], np.asarray(ok)[0, :m]
         bar.update(m)

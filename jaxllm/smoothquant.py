@@ -62,7 +62,8 @@ class CalibConfig:
 
 # ---- calibration --------------------------------------------------------------------------------
 
-def _samples(ids: np.ndarray, cc: CalibConfig, auto: bool) -> tuple[np.ndarray, np.ndarray]:
+def calibration_windows(ids: np.ndarray, cc: CalibConfig, auto: bool
+                        ) -> tuple[np.ndarray, np.ndarray]:
     """Random windows for statistics, and (for auto) held-out windows from the tail."""
     need_held = cc.heldout_seqs * cc.seq_len if auto else 0
     if len(ids) < cc.seq_len + need_held:
@@ -259,7 +260,7 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
     if not auto and not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
         raise ValueError(f"alpha must lie in [0, 1] or be 'auto', got {alpha!r}")
     ids = np.asarray(calib_tokens, np.int32).reshape(-1)
-    calib_ids, held = _samples(ids, calib, auto and smooth)
+    calib_ids, held = calibration_windows(ids, calib, auto and smooth)
     stats = calibrate(params, cfg, calib_ids, progress)
     # Smoothing preserves the float function, so one calibration pass serves every alpha (and
     # down's input, act(gate) * up, is the same before and after the other groups' smoothing).
@@ -313,7 +314,7 @@ def outlier_report(params, cfg: ModelConfig, calib_tokens, layer: Optional[str] 
     """Per input channel of one linear layer (default: layer 0's q), max |X_j| and max |W_j|
     before and after smoothing with ``alpha`` (SmoothQuant Fig. 4 / §3.2): smoothing divides the
     activation's outlier channels by s_j and multiplies the weight's rows by it."""
-    seqs, _ = _samples(np.asarray(calib_tokens, np.int32), calib, False)
+    seqs, _ = calibration_windows(np.asarray(calib_tokens, np.int32), calib, False)
     stats = calibrate(params, cfg, seqs)
     groups = smooth_groups(cfg)
     alpha = DEFAULT_ALPHA.get(cfg.family, 0.5) if alpha is None else alpha

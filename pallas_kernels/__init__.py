@@ -1,6 +1,14 @@
-"""INT8 kernels for W8A8 inference, dispatched by backend.
+"""The kernels under the library, one module each beside its jnp reference (``reference``):
 
-``w8a8_matmul``, ``quantize_per_token`` (optionally fused with LayerNorm/RMSNorm) and
+* Pallas (GPU: Triton lowering; TPU: Mosaic), each with an interpret-mode test on CPU and a
+  test that lowers it for its devices: ``matmul`` (INT8 W8A8 products, per-token quantization
+  fused with a norm, the batched attention product), ``rows`` (decode's split-K int8
+  products), ``packed_matmul`` (products with 2/4/8-bit packed weights), ``flash`` (blockwise
+  attention for long prefills), ``decode`` (decode attention over a KV cache as stored);
+* CPU: ``cpu`` and ``csrc/`` (hand-written C++ FFI kernels for AVX-512 CPUs: few-row int8
+  products, decode attention), built on first use, XLA's forms where they are not available.
+
+This module dispatches the INT8 products by backend: ``w8a8_matmul``, ``quantize_per_token`` (optionally fused with LayerNorm/RMSNorm) and
 ``int8_bmm`` pick the Pallas kernel on GPU (Triton lowering) and TPU (Mosaic), ``cpu`` on CPUs
 and the pure-jnp reference (XLA) elsewhere. ``cpu`` is XLA's too, except the few-row products
 (decode) of ``w8a8_matmul`` and ``w8a8_matmul_per_token`` on a CPU with AVX-512 VNNI: those go

@@ -172,7 +172,7 @@ def test_decode_loops_read_narrow_weights_in_place(weights):
     4x W8's bytes read per step). Reference: the float32 model's own programs, which hold no
     weight copy; a hoisted copy of even a quarter of the weights fails the bound."""
     from jaxllm.generate import _generate_jit
-    from jaxllm.ppl import _nll_chunk
+    from jaxllm.ppl import nll_chunk
     cfg = jaxllm.ModelConfig.gpt_neox(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
                                       rotary_pct=0.5)
     params = jaxllm.init_params(cfg, jax.random.key(0))
@@ -189,7 +189,7 @@ def test_decode_loops_read_narrow_weights_in_place(weights):
     def temp_bytes(p):  # [generate, stepwise nll]
         gen = _generate_jit.lower(p, cfg, jaxllm.SamplingConfig(max_new_tokens=4), toks, lens,
                                   policy.make_cache(cfg, 1, 0), jax.random.key(0))
-        nll = _nll_chunk.lower(p, cfg, policy.make_cache(cfg, 1, 0), toks, toks, lens,
+        nll = nll_chunk.lower(p, cfg, policy.make_cache(cfg, 1, 0), toks, toks, lens,
                                stepwise=True)
         return [f.compile().memory_analysis().temp_size_in_bytes for f in (gen, nll)]
 

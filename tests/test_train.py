@@ -165,7 +165,7 @@ SHARDED = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from train import recipe, sharding as shd
-    from train.loop import _state_shardings
+    from train.loop import shardings_of_state
     from train.step import compile_step, init_state
     assert len(jax.devices()) == 8
     cfg = recipe("tiny", ["batch_size=16", "model.hidden_size=64", "model.num_layers=1",
@@ -174,7 +174,7 @@ SHARDED = textwrap.dedent("""
 
     def run(mesh, cfg):
         abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))
-        sh = _state_shardings(mesh, abstract, shd.param_shardings(mesh, abstract["params"]))
+        sh = shardings_of_state(mesh, abstract, shd.param_shardings(mesh, abstract["params"]))
         state = jax.jit(lambda: init_state(cfg, jax.random.key(0)), out_shardings=sh)()
         step = compile_step(cfg, sh, shd.batch_sharding(mesh))
         losses = []

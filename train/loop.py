@@ -236,7 +236,7 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
     # (they mirror the parameters), scalars replicated.
     abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.key(cfg.seed)))
     p_shard = shd.param_shardings(mesh, abstract["params"])
-    state_shardings = _state_shardings(mesh, abstract, p_shard)
+    state_shardings = shardings_of_state(mesh, abstract, p_shard)
     # The key is an argument: a jit of no arguments is a constant to XLA, which then folds the
     # whole initialisation at compile time (minutes for Pythia-160M).
     state = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)(
@@ -418,7 +418,7 @@ def weights_from(path: str, fresh: dict) -> dict:
     return tree.unflatten(out)
 
 
-def _state_shardings(mesh, abstract, p_shard):
+def shardings_of_state(mesh, abstract, p_shard):
     """Shardings for the whole state: each optimizer leaf shaped like a parameter takes that
     parameter's sharding (Adam's moments), everything else is replicated."""
     from jax.sharding import NamedSharding, PartitionSpec as P

@@ -86,7 +86,7 @@ def cmd_quantize_lowbit(a, cfg, params, tok) -> None:
     from .. import gptq
     from ..corpus import builtin_corpus
     from ..io import save_model
-    from ..smoothquant import CalibConfig, _samples
+    from ..smoothquant import CalibConfig, calibration_windows
     from ..tokenizer import ByteTokenizer
     try:
         qcfg = gptq.GPTQConfig(a.scheme, bits=4 if a.bits is None else a.bits,
@@ -105,7 +105,8 @@ def cmd_quantize_lowbit(a, cfg, params, tok) -> None:
         ids = np.asarray(tok.encode(read_text(a.calib_text) if a.calib_text
                                     else builtin_corpus()))
         try:
-            calib, _ = _samples(ids, CalibConfig(n_seqs=n_seqs, seq_len=a.seq_len), False)
+            calib, _ = calibration_windows(
+                ids, CalibConfig(n_seqs=n_seqs, seq_len=a.seq_len), False)
         except ValueError as e:
             raise CliError(str(e)) from None
     try:

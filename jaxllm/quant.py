@@ -98,15 +98,7 @@ def decode_weights(params, dtype: str = "bfloat16") -> dict:
     stay float32. The layout for decoding on a CPU; training and converters take the plain
     params.
 
-    Decode reads every weight each step, and XLA:CPU reads an [out, in] weight faster inside a
-    few-row product (:func:`weight_only_matmul`, which contracts its minor axis) than the
-    model's own [in, out] kernels: float32 [out, in] decodes Pythia-160M 1.14-1.29x faster at
-    batch 1 and 1.02-1.23x at batch 8 (docs/BENCHMARKS.md, "Float32 decode by kernel layout",
-    roofline runs 10-11). Not for one row through layers wider than ``VECMAT_MAX_IN`` (3,072):
-    XLA:CPU has no fast one-row product for such an [out, in] weight, and Llama-7B's layers
-    decode 0.82-0.87x at batch 1 (1.35x at batch 8). A 2-byte dtype also halves the bytes;
-    there the layout matters more still, as XLA:CPU converts a narrow [in, out] kernel to a new
-    float32 array on every call (5-10x slower than float32).
+    Why this layout on a CPU, with its measurements: docs/CPU.md, "Weights for decoding".
     Products run in float32 on CPU (in the config's dtype elsewhere); ``forward``/``generate``
     take the result unchanged, and ``jaxllm.io.save_model`` writes it (as ``q``/``scale``
     pairs).
@@ -265,14 +257,10 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
     :func:`decode_weights`): ``(x @ qᵀ) · scale``, the per-channel or per-tensor scale applied to
     the product (an outer dimension, as eq. 2).
 
-    The plain form, a dot of x with the converted weight, makes XLA:CPU write the whole float
-    weight to new memory on every call: on a machine without transparent huge pages that is page
-    faults at about 2.5 GB/s, and made W8 decode 7x slower than float32 (docs/BENCHMARKS.md).
-    On CPU, so, decode's few rows take forms that XLA emits as one loop reading the narrow weight
-    (docs/BENCHMARKS.md, "weight-only products"), and only many rows (prefill) convert the
-    weight whole; the products are float32 there (a bfloat16 ``dtype`` rounds the input and the
-    result: XLA:CPU computes bf16 dots in float32 too). Elsewhere XLA fuses the conversion into
-    the dot's operand, which is exact (an int8 code fits bfloat16's 8-bit significand).
+    On CPU decode's few rows take forms that read the narrow weight in one loop, and only many
+    rows (prefill) convert it whole, in float32 (why: docs/CPU.md, "Weight-only products");
+    elsewhere XLA fuses the conversion into the dot's operand, which is exact (an int8 code fits
+    bfloat16's 8-bit significand).
 
     Everywhere the product is summed in float32 and scaled in float32, and the result is
     rounded to ``dtype`` once: a bfloat16 dot result scaled in bfloat16 was rounded three times

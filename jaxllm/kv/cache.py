@@ -393,10 +393,8 @@ def write_token(layer_kv, x: Float[Array, "b n 1 h"], lay: ChunkLayout):
     """A decode step's write of one token per row, then the read of the whole layer:
     ``(new layer_kv, its keys or values [B * n, C, h] as attention reads them)``.
 
-    A float layer is updated and read as one [B * n, C, h] array. With a batch of one, XLA:CPU
-    drops the unit dimension from the score product, and the reshape it then needed was fused
-    with the update, which made it copy the layer four times per step (3.5 ms against 0.35 for
-    one layer's keys at 4096 slots, benchmarks/roofline.py's model).
+    A float layer is updated and read as one [B * n, C, h] array (why: docs/CPU.md, "The
+    cache's decode write").
     """
     if isinstance(layer_kv, Bf16Bits):  # in place; attention.decode.attend_cache widens what it reads
         bits, read = write_token(layer_kv.bits, to_bits(x), lay)

@@ -60,13 +60,8 @@ class Bf16Bits:
     patterns (uint16). :func:`init_cache` stores a bfloat16 cache this way on CPU; on other
     backends a bfloat16 cache is a plain bfloat16 array.
 
-    Why: XLA:CPU has no bfloat16 arithmetic. Its float normalization widens the whole operand
-    of every bfloat16 op to float32 (a dot's, a scatter's, a dynamic slice's, even a bitcast's),
-    so a decode step over a bfloat16 layer wrote a fresh float32 copy of it, at this VM's
-    page-fault rate: at 4,096 slots and batch 8 the values product took 37-47 ms a layer
-    against float32's 4-6 (docs/BENCHMARKS.md, KV cache passes by form). Integer arrays are left
-    alone: a decode step scatters its token into the bits in place and widens them (a shift,
-    exact) a few heads at a time (quant.in_widened_groups), 2-3 ms a layer there.
+    Why (XLA:CPU widens every bfloat16 operand whole, and leaves integer arrays alone):
+    docs/CPU.md, "bfloat16 on a CPU".
 
     To everything else it is a store (kvquant's interface): ``read`` gives the bfloat16 array
     and ``stored`` rounds a chunk to bfloat16, so a bits cache and a bfloat16 array attend to

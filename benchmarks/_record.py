@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: machine description and appending a table to BENCHMARKS.md."""
+"""Shared by the benchmark scripts: machine description, and recording a table in BENCHMARKS.md."""
 from __future__ import annotations
 
 import datetime
@@ -20,7 +20,7 @@ def steady_heap() -> bool:
     is faulted in page by page on every call. One decode step with a 4.2 MiB arena took
     28-30 ms instead of 20-21 (1,070 page faults a step), depending on what the process had
     allocated before. That fits the single rows that a multi-format roofline run measured 2-3x
-    slow (runs 13-18, docs/BENCHMARKS.md).
+    slow (runs 13-18, docs/BENCHMARKS-ARCHIVE.md).
 
     The fix: a fixed 32 MiB threshold (glibc's largest), no trimming, and one arena. Then a
     block under 32 MiB stays in the heap, and the same step had no faults at any allocation
@@ -40,9 +40,36 @@ def steady_heap() -> bool:
     return STEADY_HEAP
 
 
-# JAXLLM_BENCHMARKS_MD redirects the tables (a lent machine writes them where they come back).
+# JAXLLM_BENCHMARKS_MD redirects the tables (a lent machine writes them where they come back);
+# every table also goes to the archive beside it (NAME-ARCHIVE.md).
 DOC = os.environ.get("JAXLLM_BENCHMARKS_MD") or os.path.join(os.path.dirname(__file__), "..",
                                                              "docs", "BENCHMARKS.md")
+
+
+def archive_of(doc: str) -> str:
+    root, ext = os.path.splitext(doc)
+    return f"{root}-ARCHIVE{ext or '.md'}"
+
+
+def put_section(doc: str, title: str, block: str) -> None:
+    """Replace the section ``## title`` of ``doc`` with ``block`` (or append it), and append
+    ``block`` to the archive: the doc keeps the latest table of each benchmark."""
+    import re
+    text = open(doc).read() if os.path.exists(doc) else "# Benchmarks\n"
+    parts = re.split(r"(?m)^(?=## )", text)
+    head, sections = parts[0], parts[1:]
+    new = block.strip("\n") + "\n\n"
+    for i, sec in enumerate(sections):
+        if sec.split("\n", 1)[0][3:].strip() == title:
+            sections[i] = new
+            break
+    else:
+        sections.append(new)
+    with open(doc, "w") as f:
+        body = "".join(sec.rstrip("\n") + "\n\n" for sec in sections)
+        f.write(head + body.rstrip("\n") + "\n")
+    with open(archive_of(doc), "a") as f:
+        f.write(block)
 
 
 def machine() -> str:
@@ -148,8 +175,9 @@ def time_generate(params, cfg, cache, steps: int):
 
 
 def record(title: str, table: str, notes: str = "", dry: bool = False) -> None:
-    """Print ``table`` and append it to docs/BENCHMARKS.md with machine, date and command
-    (``dry``: print the table and notes only — the scripts' ``--no-record``)."""
+    """Print ``table`` and record it with machine, date and command: docs/BENCHMARKS.md's
+    section of this title replaced, docs/BENCHMARKS-ARCHIVE.md appended (``dry``: print the
+    table and notes only — the scripts' ``--no-record``)."""
     print(table)
     if dry:
         print(notes)
@@ -157,6 +185,5 @@ def record(title: str, table: str, notes: str = "", dry: bool = False) -> None:
     cmd = " ".join(["python"] + sys.argv)
     block = (f"\n## {title}\n\n- date: {datetime.date.today().isoformat()}\n- machine: {machine()}\n"
              f"- command: `{cmd}`\n\n{table}\n" + (f"\n{notes}\n" if notes else ""))
-    with open(DOC, "a") as f:
-        f.write(block)
-    print(f"appended to {os.path.normpath(DOC)}")
+    put_section(DOC, title, block)
+    print(f"recorded in {os.path.normpath(DOC)} (and its archive)")

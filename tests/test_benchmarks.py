@@ -176,3 +176,14 @@ def test_gpu_decode_writes_its_records(tmp_path, monkeypatch, capsys):
     assert all(keys <= set(r) and r["decode_ms"] > 0 and r["prompt"] == 32 for r in recs), recs
     assert recs[1]["kv_bytes"] < recs[0]["kv_bytes"]
     assert "| jaxllm | bf16 | int8 per token | blockwise | 1 |" in capsys.readouterr().out
+
+
+def test_a_record_replaces_its_section_and_appends_the_archive(tmp_path):
+    """docs/BENCHMARKS.md keeps the latest table of each benchmark; the archive keeps all."""
+    import _record
+    doc = tmp_path / "B.md"
+    doc.write_text("# B\n\nintro\n\n## a\n\nold a\n\n## b\n\nold b\n")
+    _record.put_section(str(doc), "a", "\n## a\n\nnew a\n")
+    _record.put_section(str(doc), "c", "\n## c\n\nnew c\n")
+    assert doc.read_text() == "# B\n\nintro\n\n## a\n\nnew a\n\n## b\n\nold b\n\n## c\n\nnew c\n"
+    assert (tmp_path / "B-ARCHIVE.md").read_text() == "\n## a\n\nnew a\n\n## c\n\nnew c\n"

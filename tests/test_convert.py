@@ -400,8 +400,8 @@ def test_orbax_restores_into_a_multi_device_sharding(tmp_path):
     cfg = jaxllm.PRESETS["llama-tiny"]
     jaxllm.save_model(str(tmp_path / "m"), cfg, jaxllm.init_params(cfg, jax.random.key(0)),
                       format="orbax")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=4")
     out = subprocess.run([sys.executable, "-c", SHARDED_RESTORE, str(tmp_path / "m")], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -161,7 +161,9 @@ def test_learnable_sink_examples_never_target_the_sink():
 # ---- sharding -------------------------------------------------------------------------------
 SHARDED = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # (added to the session's flags: its LLVM level 0 keeps compiling cheap, conftest.py)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8")
     import jax, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from train import recipe, sharding as shd
@@ -184,7 +186,7 @@ SHARDED = textwrap.dedent("""
         return losses, jax.device_get(state["params"]), state
 
     ref_losses, ref_params, _ = run(shd.make_mesh(devices=jax.devices()[:1]), cfg)
-    for data, fsdp, accum in [(1, 8, 1), (2, 4, 1), (2, 4, 2)]:
+    for data, fsdp, accum in [(1, 8, 1), (2, 4, 2)]:
         c = cfg.override([f"grad_accum={accum}"])
         losses, params, state = run(shd.make_mesh(data, fsdp), c)
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
@@ -201,14 +203,14 @@ SHARDED = textwrap.dedent("""
 
 
 def test_sharded_step_equals_one_device():
-    """fsdp 8, data 2 x fsdp 4, and that with 2 accumulated micro-batches, each against one
-    device: 8 simulated CPU devices in one fresh process (the device count is fixed at JAX
-    start-up; one process for the three meshes shares the start-up and the reference run). A
-    data-only mesh is left out: the 2 x 4 mesh runs the same data-axis code."""
+    """fsdp 8, and data 2 x fsdp 4 with 2 accumulated micro-batches, each against one device:
+    8 simulated CPU devices in one fresh process (the device count is fixed at JAX start-up;
+    one process for the meshes shares the start-up and the reference run). A data-only mesh is
+    left out: the 2 x 4 mesh runs the same data-axis code."""
     out = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True,
                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 3
+    assert out.stdout.count("ok") == 2
 
 
 # ---- resume and checkpoints -----------------------------------------------------------------

@@ -166,10 +166,10 @@ def main(argv=None) -> int:
     res = evaluate(models, text, a)
     md = table(res, a, cost)
     print(md)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"args": vars(a), "results": res, "cost": cost}, f, indent=1)
-    with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write(md + "\n")
+    from jaxllm.outputs import write_json, write_text
+    write_json(os.path.join(a.out, "results.json"), {"args": vars(a), "results": res,
+                                                     "cost": cost})
+    write_text(os.path.join(a.out, "table.md"), md + "\n")
     print(f"wrote {a.out}/results.json and {a.out}/table.md")
     return 0
 

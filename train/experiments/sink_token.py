@@ -222,11 +222,10 @@ def main(argv=None) -> int:
     results.update(preset=a.preset, overrides=a.set, train_seconds=times)
     plot_loss_curves({v: os.path.join(out, v) for v in VARIANTS}, os.path.join(out, "loss.png"),
                      f"{a.preset}: training loss by sink variant")
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    from jaxllm.outputs import write_json, write_text
+    write_json(os.path.join(out, "results.json"), results)
     md = table(results)
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(md + "\n")
+    write_text(os.path.join(out, "table.md"), md + "\n")
     print(md)
     print(f"wrote {out}/results.json, table.md, loss.png, attention_*.png")
     if a.ship:

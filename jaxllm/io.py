@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import outputs, tree
+from .errors import P, SettingError
 from .config import PRESETS, ModelConfig
 from .model import init_params
 from .quant import from_plain, to_plain
@@ -403,8 +404,8 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
         spec = packaged_path(spec)
     reader = reader_for(spec) if os.path.exists(spec) else None
     if keep_quantized and (reader is None or reader.name != "GGUF"):
-        raise ValueError(f"keep_quantized applies to GGUF files (their 4- and 8-bit blocks); "
-                         f"{spec} is not one")
+        raise SettingError(f"{P.keep_quantized} applies to GGUF files (their 4- and 8-bit "
+                           f"blocks); {spec} is not one")
     if reader is not None:
         cfg, params, tok = reader.load(spec, keep_quantized=True) if keep_quantized else \
             reader.load(spec)

@@ -31,6 +31,7 @@ import numpy as np
 
 from .kv.cache import KVCache, init_cache
 from .config import ModelConfig
+from .errors import P, SettingError
 from .kv.evict import Evict
 from .kv.quantized import KVQuant
 
@@ -77,7 +78,7 @@ class CachePolicy:
                 raise ValueError(f"{name} must be a count (an integer >= 0) or a fraction of the "
                                  f"text in (0, 1), got {x}")
         if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam (λ) must lie in [0, 1], got {self.lam}")
+            raise SettingError(f"{P.lam} must lie in [0, 1], got {self.lam}")
         if self.method in SCORED and self.kv_quant.format == "kivi":
             raise ValueError("KIVI's key blocks follow a ring's order, which score-based "
                              "eviction breaks: use --kv-quant token or int8 with h2o/qhitter")
@@ -165,8 +166,8 @@ class CachePolicy:
             return Evict("h2o", heavy, recent)
         attn = round(heavy * 7 / 15) if self.heavy_attn is None else int(self.heavy_attn)
         if attn > heavy:
-            raise ValueError(f"heavy_attn {attn} exceeds heavy {heavy}: the attention-only "
-                             f"share is part of the heavy slots")
+            raise SettingError(f"{P.heavy_attn} {attn} exceeds heavy {heavy}: the attention-only "
+                               f"share is part of the heavy slots")
         return Evict("qhitter", heavy, recent, attn, self.lam)
 
     @property
@@ -236,11 +237,11 @@ def check_positions(cfg: ModelConfig, method: str, n_positions: int) -> None:
         return
     L = cfg.max_seq_len
     if method in STREAMING:
-        raise ValueError(f"{cfg.family} has learned absolute positions, so it cannot stream: a "
-                         f"window or StreamingLLM cache renumbers tokens by their place in the "
-                         f"cache, positions this model never learned to read. Use method dense "
-                         f"(at most {L} tokens) or recompute (cache <= {L}), or a RoPE/ALiBi "
-                         f"model for streaming")
+        raise SettingError(f"{cfg.family} has learned absolute positions, so it cannot stream: "
+                           f"a window or StreamingLLM cache renumbers tokens by their place in "
+                           f"the cache, positions this model never learned to read. Use "
+                           f"{P.method} dense (at most {L} tokens) or recompute ({P.cache} <= "
+                           f"{L}), or a RoPE/ALiBi model for streaming")
     if n_positions > L:
         what = {"dense": f"a dense cache over {n_positions} tokens",
                 "recompute": f"a recompute window of {n_positions}"}.get(

@@ -78,3 +78,18 @@ def test_any_value_is_a_valid_setting_or_one_line(case, value):
     (real(0.0, 1.0, lo_open=True), "1e-9", 1e-9)])
 def test_valid_values_parse_to_themselves(kind, text, want):
     assert kind(text) == want
+
+
+def test_library_errors_name_their_settings_and_the_cli_its_flags(capsys):
+    """A library check names the setting it is about (jaxllm.errors.SettingError.params): the
+    API's message says "kv group", the command line's "--kv-group", from one message."""
+    from jaxllm.errors import SettingError
+    from jaxllm.kv.quantized import KVQuant
+    with pytest.raises(SettingError) as e:
+        KVQuant("kivi", 2, group=32, residual=48)
+    assert e.value.params == ("kv_group", "kv_residual")
+    assert str(e.value) == "kv group 32 must divide the kv residual 48 (KIVI flushes R keys " \
+                           "as R/G groups)"
+    assert cli.main(["ppl", "--model", "embedded", "--kv-quant", "kivi", "--kv-group", "32",
+                     "--kv-residual", "48"]) == 2
+    assert "--kv-group 32 must divide the --kv-residual 48" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (COMMAND_GROUP, DEFAULT_MODEL, MODEL_HELP, OVERWRITE_HELP, CliError,
+from .common import (COMMAND_GROUP, DEFAULT_MODEL, FLAGS, MODEL_HELP, OVERWRITE_HELP, CliError,
                      Parser, check_out, load, run, seed_int, sources)
 from .demo import add_demo
 from .eval import add_eval
@@ -48,5 +48,5 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    return run(build_parser(), argv, lambda args: f"jaxllm {args.cmd}: ")
+    return run(build_parser(), argv, lambda args: f"jaxllm {args.cmd}: ", flags=FLAGS)
 

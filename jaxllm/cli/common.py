@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 
 from ..argtypes import COUNT, FRACTION, SIZE, integer
@@ -26,10 +27,13 @@ class CliError(Exception):
     """Bad input: printed as one line, exit status 2."""
 
 
-def run(parser: argparse.ArgumentParser, argv, prefix, errors=(ValueError,)) -> int:
+def run(parser: argparse.ArgumentParser, argv, prefix, errors=(ValueError,),
+        flags: Optional[dict] = None) -> int:
     """Parse ``argv`` and run its command (``args.fn``): bad flags, and ``errors`` the command
     raises (the library raises ValueError for bad input), are one line on stderr and exit
-    status 2, no traceback. ``prefix(args)``: the words before "error:"."""
+    status 2, no traceback; a library SettingError names its settings by ``flags``.
+    ``prefix(args)``: the words before "error:"."""
+    from ..errors import SettingError
     try:
         args = parser.parse_args(argv)
     except CliError as e:
@@ -38,7 +42,8 @@ def run(parser: argparse.ArgumentParser, argv, prefix, errors=(ValueError,)) -> 
     try:
         args.fn(args)
     except (CliError, *errors) as e:
-        print(f"{prefix(args)}error: {e}", file=sys.stderr)
+        msg = e.spelled(flags or {}) if isinstance(e, SettingError) else str(e)
+        print(f"{prefix(args)}error: {msg}", file=sys.stderr)
         return 2
     return 0
 
@@ -117,8 +122,7 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
     try:
         cfg, params, tok = load_model(model, keep_quantized=keep_quantized)
     except (ValueError, FileNotFoundError, ImportError) as e:
-        raise CliError(str(e).replace("keep_quantized applies", "--keep-quantized applies")) \
-            from None
+        raise CliError(flag_names(e)) from None
     if weights != "stored":
         try:
             params = decode_weights(params, weights)
@@ -225,11 +229,16 @@ def seed_int(text: str) -> int:
     return v
 
 
+# The flags of the settings library errors name (jaxllm.errors.SettingError.params).
+FLAGS = {"kv_bits": "--kv-bits", "kv_group": "--kv-group", "kv_residual": "--kv-residual",
+         "heavy_attn": "--heavy-attn", "lam": "--lam", "method": "--method", "cache": "--cache",
+         "keep_quantized": "--keep-quantized"}
+
+
 def flag_names(e: Exception) -> str:
-    """A library error about KV settings, with the CLI's flag names."""
-    return (str(e).replace("kv bits", "--kv-bits").replace("kv group", "--kv-group")
-            .replace("kv residual", "--kv-residual").replace("heavy_attn", "--heavy-attn")
-            .replace("lam (λ)", "--lam"))
+    """A library error in the CLI's words: the settings it is about named by their flags."""
+    from ..errors import SettingError
+    return e.spelled(FLAGS) if isinstance(e, SettingError) else str(e)
 
 
 def policy(a):
@@ -271,8 +280,7 @@ def check_streamable(cfg, pc, n_tokens: int = 0) -> None:
     try:
         check_positions(cfg, pc.method, pc.cache if pc.method == "recompute" else n_tokens)
     except ValueError as e:
-        raise CliError(str(e).replace("method ", "--method ").replace("cache <=", "--cache <="))\
-            from None
+        raise CliError(flag_names(e)) from None
     try:
         pc.kv_quant.check(cfg.head_dim)
     except ValueError as e:

@@ -63,7 +63,7 @@ def _eval_kv_shift(a, cfg, params, tok) -> dict:
         rep = kv_shift(params, cfg, tok.encode(builtin_corpus()), bits, a.prompt_tokens,
                        a.heavy, a.recent, a.stream_tokens)
     except ValueError as e:
-        raise CliError(flag_names(e) if "kv" in str(e) else str(e)) from None
+        raise CliError(flag_names(e)) from None
     for r in rep["layers"]:
         print(f"layer {r['layer']}: overlap with float " + ", ".join(
             f"{b}-bit {r[f'overlap_{b}-bit']:.2f}" for b in bits) +

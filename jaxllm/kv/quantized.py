@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float
 
+from ..errors import P, SettingError
 from ..lowbit import pack, unpack  # the one packing: code j of word w is channel w·per + j
 
 FORMATS = ("none", "int8", "token", "kivi")
@@ -64,10 +65,10 @@ class KVQuant:
             raise ValueError(f"kv_quant format {self.format!r} is unknown; choose one of "
                              f"{', '.join(FORMATS)}")
         if self.format != "none" and self.bits not in BITS[self.format]:
-            raise ValueError(f"kv bits {self.bits} is not supported by the {self.format} format; "
-                             f"choose one of {', '.join(map(str, BITS[self.format]))}")
+            raise SettingError(f"{P.kv_bits} {self.bits} is not supported by the {self.format} "
+                               f"format; choose one of {', '.join(map(str, BITS[self.format]))}")
         if self.group < 0:
-            raise ValueError(f"kv group must be >= 0 (0: the whole head), got {self.group}")
+            raise SettingError(f"{P.kv_group} must be >= 0 (0: the whole head), got {self.group}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"kv scale_dtype must be one of {', '.join(SCALE_DTYPES)}, got "
                              f"{self.scale_dtype!r}")
@@ -75,14 +76,14 @@ class KVQuant:
             raise ValueError(f"kv zero_point must be float or clamped, got {self.zero_point!r}")
         if self.format == "kivi":
             if self.group < 1:
-                raise ValueError(f"kv group must be >= 1 for kivi (G tokens share a key scale "
-                                 f"per channel), got {self.group}")
+                raise SettingError(f"{P.kv_group} must be >= 1 for kivi (G tokens share a key "
+                                   f"scale per channel), got {self.group}")
             if self.residual < self.group:
-                raise ValueError(f"kv residual {self.residual} must be >= the kv group "
-                                 f"{self.group} (R >= G)")
+                raise SettingError(f"{P.kv_residual} {self.residual} must be >= the {P.kv_group} "
+                                   f"{self.group} (R >= G)")
             if self.residual % self.group:
-                raise ValueError(f"kv group {self.group} must divide the kv residual "
-                                 f"{self.residual} (KIVI flushes R keys as R/G groups)")
+                raise SettingError(f"{P.kv_group} {self.group} must divide the {P.kv_residual} "
+                                   f"{self.residual} (KIVI flushes R keys as R/G groups)")
 
     @property
     def enabled(self) -> bool:
@@ -97,11 +98,12 @@ class KVQuant:
             return
         G = self.group_of(head_dim)
         if self.format in ("token", "kivi") and head_dim % G:
-            raise ValueError(f"kv group {G} must divide head_dim {head_dim}")
+            raise SettingError(f"{P.kv_group} {G} must divide head_dim {head_dim}")
         if self.format in ("token", "kivi") and self.bits in PACKED and \
                 head_dim % (32 // self.bits):
-            raise ValueError(f"kv bits {self.bits} packs {32 // self.bits} codes per uint32 "
-                             f"word: head_dim {head_dim} must be a multiple of {32 // self.bits}")
+            raise SettingError(f"{P.kv_bits} {self.bits} packs {32 // self.bits} codes per "
+                               f"uint32 word: head_dim {head_dim} must be a multiple of "
+                               f"{32 // self.bits}")
 
     def describe(self) -> str:
         if not self.enabled:

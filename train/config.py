@@ -15,7 +15,9 @@ class TrainConfig:
     biases and norms, gradient clipping at 1.0, bfloat16 compute over float32 master weights."""
 
     model: ModelConfig
-    sink: Literal["none", "learnable", "zero"] = "none"
+    # The sink variant is the model's (ModelConfig.sink); a value here sets it (the CLI's
+    # --sink, a recipe's sink=...), None keeps it. Afterwards ``sink`` reads the model's.
+    sink: Optional[Literal["none", "learnable", "zero"]] = None
     seq_len: int = 2048  # tokens per sample, the sink token included
     batch_size: int = 256  # sequences per optimizer step (all devices, all micro-batches)
     grad_accum: int = 1  # micro-batches per step
@@ -54,7 +56,7 @@ class TrainConfig:
     export_shard_mib: int = 0
 
     def __post_init__(self):
-        if self.sink not in ("none", "learnable", "zero"):
+        if self.sink not in (None, "none", "learnable", "zero"):
             raise ValueError(f"unknown sink {self.sink!r}; choose none, learnable or zero")
         if self.export_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"export_dtype must be float32 or bfloat16, got "
@@ -88,9 +90,11 @@ class TrainConfig:
             if self.pose_span < 1:
                 raise ValueError(f"pose_span must be >= 1, got {self.pose_span}")
             check_positions(self.model, "dense", self.pose_target)
-        # The model records its sink variant, so streaming and saving use it (ModelConfig.sink).
-        if self.model.sink != self.sink:
+        # The model records its sink variant, so streaming and saving use it (ModelConfig.sink):
+        # one setting, which ``sink`` reads back.
+        if self.sink is not None and self.model.sink != self.sink:
             object.__setattr__(self, "model", dataclasses.replace(self.model, sink=self.sink))
+        object.__setattr__(self, "sink", self.model.sink)
 
     @property
     def warmup_steps(self) -> int:
@@ -132,6 +136,7 @@ class TrainConfig:
             raise ValueError("set model fields one by one: model.FIELD=VALUE")
         cfg = dataclasses.replace(self.model, **_rederive(self.model, model)) if model else \
             self.model
+        top.setdefault("sink", None)  # the (new) model's, unless sink=... is given
         return dataclasses.replace(self, model=cfg, **top)
 
 

@@ -31,7 +31,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
     _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
         prefix="jaxllm-test-xla-")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    # Every program, however quick to compile: the tests that switch a code path clear JAX's
+    # in-memory caches (jax.clear_caches), and the many tiny programs compiled again after that
+    # are most of what this cache saves (tests/test_cache.py: 179 s of CPU with a 0.2 s floor,
+    # 108 s without).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

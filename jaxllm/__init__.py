@@ -5,11 +5,11 @@ from .io import load_model, save_model
 from .kv import KVCache, KVQuant, init_cache
 from .model import forward, init_params
 from .policy import CachePolicy
-from .ppl import PplConfig, stream_nll
+from .ppl import stream_nll
 from .smoothquant import CalibConfig, quantize
 from .tokenizer import ByteTokenizer, load_tokenizer
 
-__all__ = ["ByteTokenizer", "CachePolicy", "CalibConfig", "GenerateResult", "KVCache", "KVQuant", "ModelConfig", "PRESETS", "PplConfig",
-           "SamplingConfig", "forward", "generate", "generate_python", "init_cache", "init_params",
+__all__ = ["ByteTokenizer", "CachePolicy", "CalibConfig", "GenerateResult", "KVCache", "KVQuant",
+           "ModelConfig", "PRESETS", "SamplingConfig", "forward", "generate", "generate_python", "init_cache", "init_params",
            "load_model", "load_tokenizer", "quantize", "RopeScaling", "save_model",
            "stream_nll"]

@@ -1,7 +1,7 @@
 """Streaming perplexity: per-token NLL of a text through a cache policy (StreamingLLM Fig. 3).
 
 The policies (dense, window, StreamingLLM, recompute) are :class:`jaxllm.policy.CachePolicy`;
-``PplConfig`` is its older name.
+``CachePolicy`` is its older name.
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from .plots import figure, running_mean
 from .policy import METHODS, SCORED, CachePolicy, check_positions, with_sink
 from .quant import loop_weights
 
-PplConfig = CachePolicy  # the name this module's API has always used
-__all__ = ["METHODS", "CachePolicy", "PplConfig", "recompute_at", "run_ppl", "stream_nll",
+__all__ = ["METHODS", "CachePolicy", "recompute_at", "run_ppl", "stream_nll",
            "stream_score", "summarize"]
 
 
@@ -59,7 +58,7 @@ def _nll_last(params, cfg: ModelConfig, windows, targets):
     return _score(logits[:, 0], targets)
 
 
-def _cached_nll(params, cfg, tokens, pc: PplConfig, bar):
+def _cached_nll(params, cfg, tokens, pc: CachePolicy, bar):
     n = len(tokens) - 1
     cache = pc.make_cache(cfg, 1, n)
     C = min(pc.chunk, n)
@@ -77,7 +76,7 @@ def _cached_nll(params, cfg, tokens, pc: PplConfig, bar):
     return nll, hit
 
 
-def _recompute_nll(params, cfg, tokens, pc: PplConfig, bar):
+def _recompute_nll(params, cfg, tokens, pc: CachePolicy, bar):
     n, L = len(tokens) - 1, pc.cache
     first = min(L, n)  # while t < L nothing is evicted: one causal forward is exact
     nll, hit = np.empty(n, np.float32), np.empty(n, bool)
@@ -91,7 +90,7 @@ def _recompute_nll(params, cfg, tokens, pc: PplConfig, bar):
     return nll, hit
 
 
-def _windows_nll(params, cfg, tokens, pc: PplConfig, ts: np.ndarray, bar=None):
+def _windows_nll(params, cfg, tokens, pc: CachePolicy, ts: np.ndarray, bar=None):
     """(NLL, hit) of tokens[t + 1] for each t in ``ts`` (t >= pc.cache), each from a fresh
     forward over the sinks and the last ``pc.window`` tokens up to t: sliding window with
     re-computation (StreamingLLM's baseline), a few windows per call."""
@@ -113,7 +112,7 @@ def _windows_nll(params, cfg, tokens, pc: PplConfig, ts: np.ndarray, bar=None):
     return nll, hit
 
 
-def recompute_at(params, cfg: ModelConfig, tokens, pc: PplConfig, positions,
+def recompute_at(params, cfg: ModelConfig, tokens, pc: CachePolicy, positions,
                  progress: bool = False, desc: Optional[str] = None) -> np.ndarray:
     """NLL of tokens[t + 1] at each of ``positions`` (each >= ``pc.cache``: where the window
     has slid) by sliding window with re-computation (``pc``: method recompute, its sinks and
@@ -136,13 +135,13 @@ def recompute_at(params, cfg: ModelConfig, tokens, pc: PplConfig, positions,
         return _windows_nll(params, cfg, lead, pc, positions + skip, bar)[0]
 
 
-def stream_nll(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
+def stream_nll(params, cfg: ModelConfig, tokens, pc: CachePolicy = CachePolicy(),
                progress: bool = False) -> np.ndarray:
     """NLL (nats) of tokens[1:], each predicted from what ``pc.method`` keeps of its past."""
     return stream_score(params, cfg, tokens, pc, progress)[0]
 
 
-def stream_score(params, cfg: ModelConfig, tokens, pc: PplConfig = PplConfig(),
+def stream_score(params, cfg: ModelConfig, tokens, pc: CachePolicy = CachePolicy(),
                  progress: bool = False, desc: Optional[str] = None
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(NLL, argmax hit) of tokens[1:], each predicted from what ``pc.method`` keeps of its past.
@@ -196,7 +195,7 @@ def plot_nll(nll: np.ndarray, path: str, title: str, smooth: Optional[int] = Non
         ax.legend(loc="upper right")
 
 
-def run_ppl(params, cfg: ModelConfig, tokens, pc: PplConfig, progress: bool = True) -> tuple:
+def run_ppl(params, cfg: ModelConfig, tokens, pc: CachePolicy, progress: bool = True) -> tuple:
     """``(nll, summary)`` where the summary carries timing and peak memory."""
     t0 = time.perf_counter()
     pc = pc.resolve(len(with_sink(cfg, np.asarray(tokens).reshape(-1))))

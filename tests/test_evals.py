@@ -14,7 +14,7 @@ from jaxllm.evals import passkey, passkey_task, score_task, streameval_task
 from jaxllm.evals import attention as att
 from jaxllm.evals.common import Task, exact_matches
 from jaxllm.cli import main
-from jaxllm.ppl import PplConfig
+from jaxllm.ppl import CachePolicy
 
 TOK = jaxllm.ByteTokenizer()
 
@@ -86,10 +86,10 @@ def test_exact_match_equals_greedy_decoding():
     # with room for the whole stream every policy sees everything; with 4+20 the stream is
     # streamed past eviction, and the generation must use the same cache as the scoring
     cases = [(greedy(jaxllm.init_cache(cfg, 1, sinks=0, window=64, ring=False)),
-              [PplConfig("dense", 0, 64), PplConfig("streaming", 4, 64, chunk=7),
-               PplConfig("recompute", 4, 64)]),
+              [CachePolicy("dense", 0, 64), CachePolicy("streaming", 4, 64, chunk=7),
+               CachePolicy("recompute", 4, 64)]),
              (greedy(jaxllm.init_cache(cfg, 1, sinks=4, window=20)),
-              [PplConfig("streaming", 4, 24, chunk=7)])]
+              [CachePolicy("streaming", 4, 24, chunk=7)])]
     for ans, policies in cases:
         for answer, want in ((ans, True), (np.r_[ans[:4], (ans[4] + 1) % 256], False)):
             ids = np.concatenate([prefix, answer, TOK.encode(">.")]).astype(np.int32)

@@ -38,7 +38,7 @@ def child() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxllm.quant import weight_only_matmul
+    from jaxllm.weight_only import weight_only_matmul
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _record import best_ms

@@ -5,7 +5,7 @@ weights, StreamingLLM 4+252.
 Why: a one-row product that contracts the weight's minor axis (``W @ x``, [out, in]) reads
 memory faster on XLA:CPU than one that contracts its major axis (``x @ W``, [in, out]). The
 [out, in] model here is the float32 weights as weight-only nodes (``QKernel`` with a float32
-``q`` and a scale of 1, which ``quant.weight_only_matmul`` reads as stored); both compute the
+``q`` and a scale of 1, which ``weight_only.weight_only_matmul`` reads as stored); both compute the
 same products in float32. The two layouts' rounds alternate in one process; the read ceiling
 is the roofline's (weights + KV bytes).
 

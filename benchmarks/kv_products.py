@@ -14,7 +14,7 @@ measured, not guessed:
   scattered in place (jaxllm's form: kv.stores.Bf16Bits).
 - keys: ``k [N, C, Dh] . q [N, rows, Dh]`` contracting Dh, the query rows padded to 4; bfloat16
   with the query as three exact bfloat16 terms (``bf16_terms`` below, jaxllm's form before);
-  the bits widened to float32 a few heads at a time (``quant.in_widened_groups``).
+  the bits widened to float32 a few heads at a time (``bits.in_widened_groups``).
 - values: ``p [N, rows, C] . v [N, C, Dh]`` contracting C; bfloat16 as three terms (the form
   before); the same in groups of 12 heads; widened to float32 first; values stored transposed,
   ``v [N, Dh, C]``, in the keys' form; the bits by head groups.
@@ -41,7 +41,7 @@ from _record import best_ms, record, steady_heap  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxllm.quant import in_widened_groups, to_bits  # noqa: E402
+from jaxllm.bits import in_widened_groups, to_bits  # noqa: E402
 from pallas_kernels import cpu  # noqa: E402
 
 HEADS, DH = 12, 64

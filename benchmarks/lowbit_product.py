@@ -1,5 +1,5 @@
 """The low-bit weight-only product (jaxllm.lowbit, GPTQ's and GGUF's layout) against W8
-(int8 weight-only, jaxllm.quant.weight_only_matmul) and float32 at the same shapes, on this
+(int8 weight-only, jaxllm.weight_only.weight_only_matmul) and float32 at the same shapes, on this
 machine: ms per call (best of n) at decode's few rows, compiled, the ratio to float32; then
 a whole decode step of a model (default the packaged SmolLM2-135M) with its linears in each
 format: ms per token of jaxllm.generate's compiled loop (a 4 + 252 cache, batch 1). The
@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _record import best_ms, record  # noqa: E402
 
 from jaxllm import gptq, lowbit  # noqa: E402
-from jaxllm.quant import quantize_weight, weight_only_matmul  # noqa: E402
+from jaxllm.quant import quantize_weight  # noqa: E402
+from jaxllm.weight_only import weight_only_matmul  # noqa: E402
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Weight-only products on XLA:CPU: which formulation reads a narrow weight in place, by shape
-and number of rows (what ``jaxllm.quant.weight_only_matmul`` chooses from).
+and number of rows (what ``jaxllm.weight_only.weight_only_matmul`` chooses from).
 
 For each weight shape [out, in] (Pythia-160M's vocabulary head and MLP, Llama-7B's MLP) and each
 number of input rows (decode batch), in one process, best of --calls:
@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.quant import weight_only_matmul  # noqa: E402
+from jaxllm.weight_only import weight_only_matmul  # noqa: E402
 
 SHAPES = {"pythia-160m head 50304x768": (50304, 768), "pythia-160m MLP up 3072x768": (3072, 768),
           "llama-7b MLP up 11008x4096": (11008, 4096)}

@@ -14,7 +14,7 @@ from .kv.cache import KVCache, check_room
 from .config import ModelConfig
 from .model import apply, check_chunk, forward
 from .policy import with_sink
-from .quant import loop_weights
+from .weight_only import loop_weights
 
 
 @dataclasses.dataclass(frozen=True)

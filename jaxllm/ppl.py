@@ -20,7 +20,7 @@ from .generate import greedy
 from .model import apply
 from .plots import figure, running_mean
 from .policy import METHODS, SCORED, CachePolicy, check_positions, with_sink
-from .quant import loop_weights
+from .weight_only import loop_weights
 
 __all__ = ["METHODS", "CachePolicy", "recompute_at", "run_ppl", "stream_nll",
            "stream_score", "summarize"]

@@ -8,20 +8,23 @@ A quantized weight is a :class:`QKernel` pytree node in place of the float ``ker
 int8 values and their scale are ordinary leaves, and how activations are quantized is static
 metadata of the node, so ``jit`` specialises on it and ``forward``/``generate`` take quantized
 params unchanged. ``Linear`` (and the embedding) dispatch on the node type.
+
+Weight-only products (W8 and the float layouts :func:`decode_weights` makes) are
+jaxllm.weight_only; bfloat16 kept as its bits, widened a few rows at a time, jaxllm.bits.
 """
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int, Int8, UInt16
+from jaxtyping import Array, Float, Int, Int8
 
 import pallas_kernels
-from pallas_kernels.reference import QMAX, computed_once
+from pallas_kernels.reference import QMAX
 
 from . import tree
+from .weight_only import weight_only_matmul
 
 ACT_MODES = ("token", "tensor", "static", "none")
 
@@ -130,21 +133,6 @@ def half_weights(params, dtype: str = "bfloat16") -> dict:
     return decode_weights(params, dtype)
 
 
-def loop_weights(params, step: Array):
-    """``(params, step)`` as the body of a ``while_loop`` or ``scan`` must use them: tied by an
-    ``optimization_barrier`` to ``step``, a value that changes every iteration. The body must
-    use the returned ``step`` (XLA drops a barrier's unused outputs, and the tie with them).
-
-    XLA's loop-invariant code motion moves any op whose operands do not change across
-    iterations out of the loop. Left alone, it moves the widening of int8 or bfloat16 weights to
-    float32 out of the decode loop: the loop then reads a float32 copy of every weight (4x W8's
-    bytes) and that copy sits in memory for the whole loop. Measured on Pythia-160M W8, batch 1:
-    25.6 ms a token in ``generate`` against 8.9 ms a step outside a loop; tied, 9.5 ms. A barrier
-    over the weights alone does not hold: it is invariant too, and moves with them.
-    """
-    return jax.lax.optimization_barrier((params, step))
-
-
 def int8_matmul(xq: Int8[Array, "... k"], wq: Int8[Array, "n k"]) -> Int[Array, "... n"]:
     """int8 x int8 -> int32, exact: xq [..., K] against a K-major weight [N, K]."""
     lead = xq.shape[:-1]
@@ -185,139 +173,6 @@ def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Ar
     # real and fake modes differ only by float rounding.
     acc = jnp.einsum("...i,oi->...o", xq.astype(jnp.float32), k.q.astype(jnp.float32))
     return (acc * sx * k.scale).astype(dtype)
-
-
-# ---- narrow arrays widened a few rows at a time (XLA:CPU) --------------------------------------
-
-def to_bits(x: Float[Array, "..."]) -> UInt16[Array, "..."]:
-    """``x`` rounded to bfloat16, as its 16-bit patterns (kv.stores.Bf16Bits)."""
-    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-
-
-def widen_bits(bits: UInt16[Array, "..."]) -> Float[Array, "..."]:
-    """bfloat16 bit patterns as the float32 values they stand for (exact: the top half of a
-    float32 is a bfloat16)."""
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
-
-
-def widen(a: Array) -> Float[Array, "..."]:
-    """``a`` as float32: bfloat16 bits (uint16) or any float array."""
-    return widen_bits(a) if a.dtype == jnp.uint16 else a.astype(jnp.float32)
-
-
-# The float32 copy of one group in_widened_groups makes: a few MiB, so that it is reused from the
-# caches and the heap (a copy over glibc's 32 MiB mmap threshold is fresh memory every call,
-# faulted in page by page on this VM).
-WIDEN_BYTES = 4 << 20
-
-
-def in_widened_groups(fn, narrow, *batched: Array) -> Array:
-    """``fn(*narrow as float32, *batched)``, which maps axis 0 to axis 0 of its result;
-    ``narrow`` is an array or a tuple of arrays with the same rows (axis 0). On CPU 2-byte
-    ``narrow`` arrays (bfloat16 bits, float16) are widened a group of rows at a time, each
-    array's float32 copy of the group at most WIDEN_BYTES, one group per iteration of a loop,
-    with the same rows of ``batched``: XLA:CPU then widens into one small buffer instead of the
-    whole array into new memory. A float16 KV cache's values product at 4,096 slots, batch 8:
-    35 ms a layer widened whole, 2.5 in groups (float32 4.2). Exact either way: the same float32
-    products of the same widened values (when the group size does not divide the rows, the
-    last group overlaps the one before and writes the same values again)."""
-    narrows = narrow if isinstance(narrow, tuple) else (narrow,)
-    N = narrows[0].shape[0]
-    g = min(N, max(1, WIDEN_BYTES // (max(a[0].size for a in narrows) * 4)))
-    # A bfloat16 array (not bits) would be widened whole at every slice of the loop, since
-    # XLA:CPU normalizes a bfloat16 dynamic slice's whole operand: it is widened once instead.
-    if (g == N or any(a.dtype not in (jnp.uint16, jnp.float16) for a in narrows)
-            or jax.default_backend() != "cpu"):
-        return fn(*map(widen, narrows), *batched)
-    arrays = narrows + batched
-
-    def group(start):
-        part = [jax.lax.dynamic_slice_in_dim(a, start, g, 0) for a in arrays]
-        return fn(*map(widen, part[:len(narrows)]), *part[len(narrows):])
-
-    shape = jax.eval_shape(group, 0)
-    out = jnp.zeros((N,) + shape.shape[1:], shape.dtype)
-    return jax.lax.fori_loop(0, -(-N // g), lambda i, out: jax.lax.dynamic_update_slice_in_dim(
-        out, group(jnp.minimum(i * g, N - g)), jnp.minimum(i * g, N - g), 0), out)
-
-
-# Rows per fused row reduction (below); from MANY_ROWS on, one float copy of the weight and one
-# GEMM.
-REDUCE_ROWS = 32
-MANY_ROWS = 64
-# XLA:CPU fuses the weight's conversion into a one-row product only up to this input width
-# (measured: 3,072 fused, 4,096 not; the unfused form writes the whole float weight each call,
-# 15-17x slower than float32 at Llama-7B shapes).
-VECMAT_MAX_IN = 3072
-
-
-def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "..."],
-                       dtype=jnp.float32) -> Float[Array, "... o"]:
-    """x @ (q · scale)ᵀ for a weight-only kernel ``q`` [out, in] (int8, or bfloat16/float16 from
-    :func:`decode_weights`): ``(x @ qᵀ) · scale``, the per-channel or per-tensor scale applied to
-    the product (an outer dimension, as eq. 2).
-
-    On CPU decode's few rows take forms that read the narrow weight in one loop, and only many
-    rows (prefill) convert it whole, in float32 (why: docs/CPU.md, "Weight-only products");
-    elsewhere XLA fuses the conversion into the dot's operand, which is exact (an int8 code fits
-    bfloat16's 8-bit significand).
-
-    Everywhere the product is summed in float32 and scaled in float32, and the result is
-    rounded to ``dtype`` once: a bfloat16 dot result scaled in bfloat16 was rounded three times
-    (the sum, the scale, the scaled product), up to 1% off on a GPU (tests/test_smoothquant.py).
-    """
-    lead, (n_out, n_in) = x.shape[:-1], q.shape
-    cpu = jax.default_backend() == "cpu"
-    if (q.dtype == jnp.int8 and jnp.dtype(dtype) == jnp.bfloat16
-            and pallas_kernels.resolve_backend() == "triton"
-            and x.size // n_in <= pallas_kernels.rows.MAX_ROWS):
-        # Decode on a GPU: the split-K kernel reads the int8 weight once, converting it in
-        # registers (the same bfloat16 x int8 products summed in float32 as the form below).
-        y = pallas_kernels.w8_matmul(x.reshape(-1, n_in), q, scale)
-        return y.reshape(*lead, n_out).astype(dtype)
-    compute = jnp.float32 if cpu else dtype
-    x2 = x.reshape(-1, n_in).astype(dtype).astype(compute)  # rounded to dtype, then widened
-    m = x2.shape[0]
-    if not cpu or m >= MANY_ROWS:
-        # Many rows amortise one float copy of the weight over a large GEMM, which runs faster
-        # whole than in pieces.
-        y = jnp.einsum("mi,oi->mo", x2, q.astype(compute), preferred_element_type=jnp.float32)
-    else:
-        # The input is materialised first, or XLA would fuse the LayerNorm producing it into the
-        # product and recompute it for every output.
-        x2 = computed_once(x2)
-        if m == 1 and n_in <= VECMAT_MAX_IN:
-            # One row: a vector-matrix product, which XLA:CPU emits as a loop fusion that takes
-            # the conversion in (Pythia-160M's head: 2.0 ms for int8, 3.1 for bfloat16, 6.9 for
-            # float32; docs/BENCHMARKS.md, "Weight-only products").
-            y = x2 @ q.astype(compute).T
-        else:
-            # Several rows (or a wide input): an elementwise product summed over the input's
-            # minor dimension, one loop that reads each weight row once for all the rows (head,
-            # 8 rows: 7.6 ms for int8, 9.0 for bfloat16, 14 for float32's GEMM; Llama-7B's MLP,
-            # one row: 5.4 for int8, 6.2 for bfloat16). Past 32 rows XLA stops fusing it, so
-            # groups of 32; one row is padded to two, as XLA turns a one-row reduction back into
-            # the unfused dot.
-            def rows_product(xg):  # [g, in] -> [g, out]
-                # Two barriers, each against a rewrite that would materialise the [out, g, in]
-                # product: tying the input to its own weight keeps q, k and v (which share an
-                # input) from sharing one broadcast of it, and fencing the sum keeps a following
-                # LayerNorm's mean from being merged into this reduction.
-                xg, qg = jax.lax.optimization_barrier((xg, q))
-                prod = qg.astype(compute)[:, None, :] * xg[None]
-                return jax.lax.optimization_barrier(jnp.sum(prod, axis=-1)).T
-            if m == 1:
-                y = rows_product(jnp.concatenate([x2, x2]))[:1]
-            elif q.dtype == jnp.float16:
-                # XLA:CPU converts float16 element by element, so the fused loop paid one
-                # conversion per weight and row (Pythia-160M's head, 8 rows: 50 ms); widened a
-                # block of output rows at a time into a small float32 buffer it is one GEMM per
-                # block (9.2 ms; int8 and bfloat16 weights do better in the fused loop).
-                y = in_widened_groups(lambda w: w @ x2.T, q).T
-            else:
-                y = jnp.concatenate([rows_product(x2[g:g + REDUCE_ROWS])
-                                     for g in range(0, m, REDUCE_ROWS)])
-    return (y * scale.astype(jnp.float32)).astype(dtype).reshape(*lead, n_out)
 
 
 # ---- attention BMMs -----------------------------------------------------------------------------

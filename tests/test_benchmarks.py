@@ -13,7 +13,7 @@ import gpu_decode  # noqa: E402
 import kv_products  # noqa: E402
 import prefill_memory  # noqa: E402
 
-from jaxllm.quant import to_bits, widen_bits  # noqa: E402
+from jaxllm.bits import to_bits, widen_bits  # noqa: E402
 
 
 # kv_products times XLA:CPU's forms of a cache pass (bfloat16 bits, head groups, the CPU kernel)

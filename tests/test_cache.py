@@ -342,11 +342,11 @@ def test_narrow_cache_holds_the_float32_cache_rounded(dtype):
 def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype, attention_path):
     """A decode step reads a bfloat16 cache on CPU as its uint16 bits (kv.stores.Bf16Bits) and a
     float16 cache as stored, widened in registers by the CPU kernel or a few heads at a time by
-    the jnp path (quant.in_widened_groups): on the same 2-byte keys and values, widened to
+    the jnp path (bits.in_widened_groups): on the same 2-byte keys and values, widened to
     float32 for the float32 path, both give the same output to float32 rounding, on a ring past
     a lap; also with groups of one head (a loop over all)."""
     from jaxllm.kv import cache as kvc
-    from jaxllm import quant
+    from jaxllm import bits
     from jaxllm import attention
     from jaxllm.attention.decode import attend_cache
     from jaxllm.rope import inv_freq
@@ -364,9 +364,9 @@ def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype, attent
     q = jnp.asarray(rng.standard_normal((B, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
     wide = attend_cache(q, k.astype(jnp.float32), v.astype(jnp.float32), plan, cfg)
     if dtype == "bfloat16":
-        k, v = quant.to_bits(k), quant.to_bits(v)
-    for budget in (quant.WIDEN_BYTES, 1):
+        k, v = bits.to_bits(k), bits.to_bits(v)
+    for budget in (bits.WIDEN_BYTES, 1):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(quant, "WIDEN_BYTES", budget)
+            mp.setattr(bits, "WIDEN_BYTES", budget)
             narrow = attend_cache(q, k, v, plan, cfg)
         np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=0, atol=2e-6)

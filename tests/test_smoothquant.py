@@ -12,7 +12,7 @@ from conftest import LLAMA, NEOX
 from reference import rounded_weights
 
 import jaxllm
-from jaxllm import quant, tree
+from jaxllm import bits, quant, tree, weight_only
 from jaxllm import smoothquant as sq
 from pallas_kernels.reference import EXACT_F32_K
 
@@ -160,15 +160,15 @@ def test_weight_only_matmul_is_x_times_dequantized_w(lead, n_in, n_out, per_chan
 @pytest.mark.parametrize("lead,n_out", [((8,), 2501), ((2, 3), 64), ((40,), 700)])
 def test_float16_weights_of_several_rows_in_widened_groups(lead, n_out, monkeypatch):
     """float16 weights and several rows take blocks of output rows widened one at a time
-    (quant.in_widened_groups): x @ wᵀ in float64, also with blocks that do not divide the
+    (bits.in_widened_groups): x @ wᵀ in float64, also with blocks that do not divide the
     outputs (the last block overlaps the one before) and with blocks of one row."""
     rng = np.random.default_rng(n_out)
     x = rng.normal(size=(*lead, 48)).astype(np.float32)
     w = jnp.asarray(rng.normal(size=(n_out, 48)), jnp.float16)
     want = x.astype(np.float64) @ np.asarray(w, np.float64).T
-    for budget in (quant.WIDEN_BYTES, 48 * 4 * 7, 1):  # one block; blocks of 7 rows; of one
-        monkeypatch.setattr(quant, "WIDEN_BYTES", budget)
-        got = quant.weight_only_matmul(jnp.asarray(x), w, jnp.ones(()))
+    for budget in (bits.WIDEN_BYTES, 48 * 4 * 7, 1):  # one block; blocks of 7 rows; of one
+        monkeypatch.setattr(bits, "WIDEN_BYTES", budget)
+        got = weight_only.weight_only_matmul(jnp.asarray(x), w, jnp.ones(()))
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 

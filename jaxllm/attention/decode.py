@@ -16,7 +16,8 @@ import pallas_kernels.cpu
 
 from ..kv import cache as kvc
 from ..config import ModelConfig
-from ..quant import QAttention, absmax_scale, in_widened_groups, pv, qk_scores, widen
+from ..bits import in_widened_groups, widen
+from ..quant import QAttention, absmax_scale, pv, qk_scores
 from ..rope import Rotation, apply_rope, model_rotation
 from . import scores as sc
 from . import stored
@@ -104,7 +105,7 @@ def attend_cache(q, k, v, plan: "Decode", cfg: ModelConfig,
 
     q [B, 1, H, Dh]; k, v [B * KVH, C, Dh] (cache.write_token's reads: float arrays, or the
     uint16 bits of a bfloat16 cache on CPU, kv.stores.Bf16Bits; 2-byte ones are widened a few
-    heads at a time, quant.in_widened_groups). The query is rotated at its three
+    heads at a time, bits.in_widened_groups). The query is rotated at its three
     positions (sinks, this lap, last lap), all three are scored against every slot in one
     product, and each slot keeps the score ``plan.pick`` names: the keys are read once and,
     when stored rotated, never rotated again.
@@ -163,7 +164,7 @@ def _attend_xla(k, v, qm, plan: "Decode", mask, slopes, R: int, cfg: ModelConfig
     KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     rows, alibi = R * G, cfg.pos_emb == "alibi"
     # Scores, softmax and values for a few heads at a time, in one pass: a 2-byte cache is
-    # widened a group of heads at a time (quant.in_widened_groups), keys and values together,
+    # widened a group of heads at a time (bits.in_widened_groups), keys and values together,
     # and no [B * KVH, C] scores array lives between two loops. As two loops (scores, then
     # values) each layer's scores were a loop's output, which XLA:CPU gave its own memory:
     # 77 MiB of temporaries a step at 4+4092, batch 8, mapped fresh each step (21,500 page

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..quant import widen
+from ..bits import widen
 from ..rope import Rotation, apply_rope
 
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN

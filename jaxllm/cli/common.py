@@ -92,8 +92,8 @@ def _first_non_finite(params):
 
 
 WEIGHTS_HELP = ("weights as stored, or kept [out, in] for decoding in float32, bfloat16 or "
-                "float16 (quant.decode_weights; on a CPU, Pythia-160M batch-1 decode: float32 "
-                "1.14-1.29x, bfloat16 1.4-2.1x the stored float32's; float32 at batch 1 is "
+                "float16 (quant.decode_weights; on a CPU, Pythia-160M batch-1 decode: "
+                "float32 1.14-1.29x, bfloat16 1.4-2.1x the stored float32's; float32 at batch 1 is "
                 "slower for layers over 3,072 wide; float16 at batch 8 is slower than float32)")
 
 

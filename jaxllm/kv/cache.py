@@ -60,7 +60,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..config import ModelConfig
 from .evict import Evict, empty_scores
-from ..quant import to_bits
+from ..bits import to_bits
 from . import stores
 from .kivi import empty_kivi
 from .quantized import KVQuant, empty_store

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int, UInt16
 
-from ..quant import to_bits
+from ..bits import to_bits
 from .quantized import round_to
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
-INT32_MAX = 2 ** 31 - 1
+from .config import INT32_MAX
 
 
 class integer:

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from .kv.cache import KVCache, check_room
-from .config import ModelConfig
+from .config import INT32_MAX, ModelConfig
 from .model import apply, check_chunk, forward
 from .policy import with_sink
 from .weight_only import loop_weights
@@ -28,8 +28,8 @@ class SamplingConfig:
     eos_id: Optional[int] = None  # stop a row after it emits this token
 
     def __post_init__(self):
-        if not 1 <= self.max_new_tokens <= 2 ** 31 - 1:
-            raise ValueError(f"max_new_tokens must lie in [1, 2147483647] (a row's tokens are "
+        if not 1 <= self.max_new_tokens <= INT32_MAX:
+            raise ValueError(f"max_new_tokens must lie in [1, {INT32_MAX}] (a row's tokens are "
                              f"int32-indexed), got {self.max_new_tokens}")
         if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails >= 0
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "

@@ -34,10 +34,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from .rows import pow2_divisor
+from .rows import TARGET_PROGRAMS, pow2_divisor  # (the split-K kernel's target)
 
 KERNEL_BITS = (2, 4, 8)
-TARGET_PROGRAMS = 264  # two per SM of an H100 (132), as pallas_kernels.rows
 MIN_DOT = 16  # the smallest Triton dot dimension
 
 

@@ -64,6 +64,9 @@ def test_bfloat16_rounds_x_and_the_dequantized_weight_once():
                            interpret=True)
     want = _numpy_product(x, codes, scale, offset, G, round_bf16=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    ref = pm.reference(jnp.asarray(x), node.codes, node.scale, node.offset, bits=4, group=G,
+                       in_features=K, dtype=jnp.bfloat16)  # the jnp form beside the kernel
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_weights_the_kernel_does_not_take_say_why():

@@ -256,7 +256,8 @@ def test_keep_quantized_reads_the_files_blocks(real):
     """--keep-quantized: every Q4_1 linear becomes a 4-bit node whose codes are the file's
     nibbles (unpacked here by numpy: low nibbles elements 0-15, high 16-31; q/k rows back in
     HF order), at no more than 1.05x the file's bytes, standing for exactly the float load's
-    weights (so the same logits)."""
+    weights (so the same logits); and the Pallas kernel's product over them (interpreted) is
+    the float load's."""
     from gguf import GGUFReader
 
     from jaxllm import lowbit, tree
@@ -292,3 +293,14 @@ def test_keep_quantized_reads_the_files_blocks(real):
                                           np.asarray(floats[k]))
         else:
             np.testing.assert_array_equal(np.asarray(v), np.asarray(floats[k]))
+    # The GPU/TPU kernel (interpreted) reads the file's own blocks (4-bit, groups of 32): its
+    # product is the float load's, on the real embedding rows of a sentence.
+    from pallas_kernels import packed_matmul as pm
+    x = jnp.asarray(floats["embed/embedding"])[jnp.asarray(tok.encode(TEXTS[0]))]
+    node, w = flat["layer_0/attn/k/kernel"], np.asarray(floats["layer_0/attn/k/kernel"])
+    want = np.asarray(x, np.float64) @ w.astype(np.float64)
+    for backend in ("triton", "tpu"):
+        got = pm.lowbit_matmul(x, node.codes, node.scale, node.offset, bits=node.bits,
+                               group=node.group, in_features=node.in_features,
+                               dtype=jnp.float32, backend=backend, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import jaxllm  # noqa: E402
 from jaxllm.attention import decode  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
-from jaxllm.policy import CachePolicy  # noqa: E402
+from jaxllm.policy import StreamingLLM  # noqa: E402
 from pallas_kernels import cpu  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main():
     lines = ["| format | cache | batch | kernel ms/step | without ms/step | speed-up |",
              "|---|---|---:|---:|---:|---:|"]
     for W in [int(x) for x in a.caches.split(",")]:
-        pc = CachePolicy("streaming", 4, 4 + W)
+        pc = StreamingLLM(4, 4 + W)
         for B in [int(x) for x in a.batch.split(",")]:
             for f, (cfg, params, kv_dtype) in models.items():
                 runs = {}

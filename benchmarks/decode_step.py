@@ -19,7 +19,7 @@ from _record import full_ring, record, steady_heap, time_decode  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
-from jaxllm.policy import CachePolicy  # noqa: E402
+from jaxllm.policy import StreamingLLM  # noqa: E402
 
 
 def bandwidth_line() -> str:
@@ -54,7 +54,7 @@ def main():
     step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
     lines = ["| batch | cache | K+V cache (MiB) | ms/step | tokens/s | cache bytes / step time |",
              "|---:|---|---:|---:|---:|---:|"]
-    pc = CachePolicy("streaming", a.sinks, a.cache)
+    pc = StreamingLLM(a.sinks, a.cache)
     for B in [int(b) for b in a.batch.split(",")]:
         ms, cache = time_decode(step, params, full_ring(pc.make_cache(cfg, B, 0)), a.steps,
                                 warmup=3)

@@ -36,32 +36,34 @@ import jaxllm  # noqa: E402
 from jaxllm.corpus import builtin_corpus  # noqa: E402
 from jaxllm.kv.quantized import KVQuant  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
-from jaxllm.policy import CachePolicy  # noqa: E402
+from jaxllm.policy import H2O, Dense, KVStorage, QHitter, StreamingLLM, Window  # noqa: E402
 from jaxllm.ppl import stream_nll  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "docs", "RESULTS.md")
 
 
 def q(bits):
-    return KVQuant("token", bits=bits, group=0)
+    """Per-token codes over the whole head (the Q-Hitter authors' quantizer)."""
+    return KVStorage(quant=KVQuant("token", bits=bits, group=0))
 
 
 def policies(budget: int) -> dict:
     """Every method at ``budget`` slots."""
     h, r = budget // 2, budget - budget // 2
     qh, qr = budget - budget // 4, budget // 4
-    return {"window": CachePolicy("window", 0, budget, 1),
-            "StreamingLLM": CachePolicy("streaming", 4, budget, 1),
-            "H2O": CachePolicy.of("h2o", 0, budget, 1, heavy=h, recent=r),
-            "H2O+quant 4-bit": CachePolicy.of("h2o", 0, budget, 1, q(4), heavy=h, recent=r),
-            "H2O+quant 3-bit": CachePolicy.of("h2o", 0, budget, 1, q(3), heavy=h, recent=r),
-            "Q-Hitter 4-bit": CachePolicy.of("qhitter", 0, budget, 1, q(4), heavy=qh, recent=qr),
-            "Q-Hitter 3-bit": CachePolicy.of("qhitter", 0, budget, 1, q(3), heavy=qh, recent=qr)}
+    return {"window": Window(budget),
+            "StreamingLLM": StreamingLLM(4, budget),
+            "H2O": H2O(0, budget, h, r),
+            "H2O+quant 4-bit": H2O(0, budget, h, r, q(4)),
+            "H2O+quant 3-bit": H2O(0, budget, h, r, q(3)),
+            "Q-Hitter 4-bit": QHitter(0, budget, qh, qr, storage=q(4)),
+            "Q-Hitter 3-bit": QHitter(0, budget, qh, qr, storage=q(3))}
 
 
 def ppl(params, cfg, segments, pc) -> float:
-    """Perplexity pooled over the segments, each streamed through its own cache."""
-    nll = np.concatenate([stream_nll(params, cfg, s, pc) for s in segments])
+    """Perplexity pooled over the segments, each streamed through its own cache, one token per
+    forward call."""
+    nll = np.concatenate([stream_nll(params, cfg, s, pc, chunk=1) for s in segments])
     return float(np.exp(nll.astype(np.float64).mean()))
 
 
@@ -74,7 +76,7 @@ def budget_table(a, models) -> tuple[str, str]:
                  "|---|" + "---:|" * len(a.lams)]
     for model, (cfg, params, ids) in models.items():
         segs = [ids[i * a.seq:(i + 1) * a.seq] for i in range(a.segments)]
-        full = ppl(params, cfg, segs, CachePolicy("dense", 0, a.seq, a.seq))
+        full = ppl(params, cfg, segs, Dense())
         lines.append(f"| {model} | full cache | " + " | ".join(
             [f"{full:.3f}"] * len(shares)) + " | (out of range) |")
         table = {}
@@ -88,8 +90,7 @@ def budget_table(a, models) -> tuple[str, str]:
         b = int(0.2 * a.seq)
         row = []
         for lam in a.lams:
-            pc = CachePolicy.of("qhitter", 0, b, 1, q(3), heavy=b - b // 4, recent=b // 4,
-                                lam=lam)
+            pc = QHitter(0, b, b - b // 4, b // 4, lam=lam, storage=q(3))
             row.append(ppl(params, cfg, segs, pc))
         lam_lines.append(f"| {model} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
     return "\n".join(lines), "\n".join(lam_lines)
@@ -107,10 +108,10 @@ def timing_table(a) -> str:
              "storage |", "|---:|---:|---|---:|---:|---:|"]
     for L in [int(x) for x in a.timing_caches.split(",")]:
         for B in [int(x) for x in a.timing_batch.split(",")]:
-            pols = [CachePolicy("streaming", 4, L), CachePolicy.of("h2o", 4, L),
-                    CachePolicy("qhitter", 4, L),  # float storage: the bookkeeping alone
-                    CachePolicy("streaming", 4, L, kv_quant=QHITTER_KV),
-                    CachePolicy.of("qhitter", 4, L)]  # 4-bit storage, the authors' setting
+            pols = [StreamingLLM(4, L), H2O(4, L),
+                    QHitter(4, L, storage=KVStorage()),  # float storage: the bookkeeping alone
+                    StreamingLLM(4, L, KVStorage(quant=QHITTER_KV)),
+                    QHitter(4, L)]  # 4-bit storage, the authors' setting
             caches = []
             for pc in pols:
                 cache = pc.make_cache(cfg, B, L)
@@ -127,7 +128,8 @@ def timing_table(a) -> str:
             base = {}
             for pc, t in zip(pols, times):
                 ms = float(np.median(t))
-                storage = pc.kv_quant.describe() if pc.kv_quant.enabled else "float"
+                q = pc.storage.quant
+                storage = q.describe() if q.enabled else "float"
                 base.setdefault(storage, ms)  # StreamingLLM comes first for each storage
                 lines.append(f"| {L} | {B} | {pc.label} | {ms:.1f} | "
                              f"{min(t):.1f}–{max(t):.1f} | {ms / base[storage]:.2f}x |")

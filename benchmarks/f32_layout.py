@@ -29,7 +29,7 @@ import jax  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
-from jaxllm.policy import CachePolicy  # noqa: E402
+from jaxllm.policy import StreamingLLM  # noqa: E402
 from jaxllm.quant import decode_weights  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main():
     p_io = jaxllm.init_params(cfg, jax.random.key(0))
     models = {"[in, out]": p_io, "[out, in]": decode_weights(p_io, "float32")}
     step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
-    policy = CachePolicy("streaming", 4, 256)
+    policy = StreamingLLM(4, 256)
     wbytes = sum(x.nbytes for x in jax.tree.leaves({k: v for k, v in p_io.items()
                                                     if k != "embed" or cfg.tie_embeddings}))
     lines = ["| batch | kernels | ms/step | speed | read ceiling (ms) | of ceiling |",

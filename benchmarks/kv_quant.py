@@ -34,7 +34,7 @@ from jaxllm.kv.cache import kv_bytes  # noqa: E402
 from jaxllm.corpus import builtin_corpus  # noqa: E402
 from jaxllm.kv.quantized import KVQuant  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
-from jaxllm.policy import CachePolicy  # noqa: E402
+from jaxllm.policy import KVStorage, StreamingLLM  # noqa: E402
 from jaxllm.ppl import stream_nll  # noqa: E402
 
 FORMATS = {"float": KVQuant(), "int8": KVQuant("int8"), "token-8": KVQuant("token", 8, 32),
@@ -58,8 +58,9 @@ def perplexity_table(a) -> str:
         base = None
         for name in a.formats.split(","):
             spec = fit(FORMATS[name], cfg.head_dim)
-            pc = CachePolicy("streaming", a.sinks, a.cache, a.chunk, kv_quant=spec)
-            ppl = float(np.exp(stream_nll(params, cfg, ids, pc).astype(np.float64).mean()))
+            pc = StreamingLLM(a.sinks, a.cache, KVStorage(quant=spec))
+            ppl = float(np.exp(stream_nll(params, cfg, ids, pc, chunk=a.chunk).astype(
+                np.float64).mean()))
             base = ppl if base is None else base
             lines.append(f"| {model} | {pc.label} | {ppl:.3f} | {100 * (ppl / base - 1):+.2f}% |")
             print(lines[-1], flush=True)

@@ -32,7 +32,7 @@ def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int,
 
     import jaxllm
     from jaxllm.model import apply
-    from jaxllm.policy import CachePolicy
+    from jaxllm.policy import Dense, StreamingLLM
     cfg, params, _ = jaxllm.load_model(model)
     if dtype == "bfloat16":  # weights, compute and KV cache in bfloat16
         import dataclasses
@@ -52,9 +52,9 @@ def measure(model: str, L: int, tokens: int, recompute_tokens: int, rounds: int,
 
     # streaming: a full 4 + (L - 4) ring, as after a long stream; dense: filled so that the
     # warm-up and every round decode within its L slots.
-    state = {"streaming": filled(CachePolicy("streaming", 4, L).make_cache(cfg, 1, 0, cache_dtype),
+    state = {"streaming": filled(StreamingLLM(4, L).make_cache(cfg, 1, 0, cache_dtype),
                                  L),
-             "dense": filled(CachePolicy("dense", 0, L).make_cache(cfg, 1, L, cache_dtype),
+             "dense": filled(Dense().make_cache(cfg, 1, L, cache_dtype),
                              L - (rounds + 1) * tokens - 1),
              "recompute": None}
     memory = {m: step.lower(params, tokens=tok, cache=state[m], lens=lens).compile()

@@ -55,7 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import jaxllm  # noqa: E402
 from jaxllm import smoothquant as sq  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
-from jaxllm.policy import CachePolicy  # noqa: E402
+from jaxllm.policy import StreamingLLM  # noqa: E402
 from jaxllm.quant import QKernel, decode_weights, qmatmul  # noqa: E402
 
 FORMATS = ("float32", "f32oi", "bf16", "bf16kv", "f16kv", "w8", "w8a8")
@@ -190,7 +190,7 @@ def main():
     steps = {name: jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
              for name, (cfg, _, _) in models.items()}
     for W in [int(x) for x in a.caches.split(",")]:
-        pc = CachePolicy("streaming", 4, 4 + W)
+        pc = StreamingLLM(4, 4 + W)
         for B in [int(x) for x in a.batch.split(",")]:
             # Every format's rounds alternate, so a machine slowing down mid-run (a shared one
             # does) shifts all of them alike and the ratios between formats hold.

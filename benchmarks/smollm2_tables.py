@@ -26,7 +26,7 @@ import jaxllm
 from jaxllm.corpus import builtin_corpus
 from jaxllm.kv.cache import kv_bytes
 from jaxllm.kv.quantized import KVQuant
-from jaxllm.policy import CachePolicy
+from jaxllm.policy import H2O, Dense, KVStorage, QHitter, Recompute, StreamingLLM, Window
 from jaxllm.ppl import recompute_at, stream_score
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "bench_out", "smollm2_tables.md")
@@ -46,17 +46,17 @@ def table1(params, cfg, ids, a) -> list[str]:
     positions beside StreamingLLM 4+W at the same positions."""
     rows = ["| cache | method | ppl | recompute at the same positions | StreamingLLM there |",
             "|---:|---|---:|---:|---:|"]
-    dense = ppl(stream_score(params, cfg, ids, CachePolicy("dense", 0, len(ids)))[0])
+    dense = ppl(stream_score(params, cfg, ids, Dense())[0])
     rows.append(f"| - | dense ({len(ids)} tokens) | {dense:.2f} | | |")
     for C in a.caches:
         rows.append(f"| {C} | window 0+{C} | "
-                    f"{ppl(stream_score(params, cfg, ids, CachePolicy('window', 0, C))[0]):.2f} | | |")
+                    f"{ppl(stream_score(params, cfg, ids, Window(C))[0]):.2f} | | |")
         for S in (1, 2, 4, 8):
-            nll = stream_score(params, cfg, ids, CachePolicy("streaming", S, C))[0]
+            nll = stream_score(params, cfg, ids, StreamingLLM(S, C))[0]
             extra = "| | |"
             if S == 4:
                 pos = sampled(len(ids), C, a.positions)
-                rec = recompute_at(params, cfg, ids, CachePolicy("recompute", S, C), pos)
+                rec = recompute_at(params, cfg, ids, Recompute(S, C), pos)
                 extra = f"| {ppl(rec):.2f} ({len(pos)} positions) | {ppl(nll[pos]):.2f} |"
             rows.append(f"| {C} | StreamingLLM {S}+{C - S} | {ppl(nll):.2f} {extra}")
     return rows
@@ -73,7 +73,7 @@ def kv(params, cfg, ids, a) -> list[str]:
     rows = ["| KV storage (StreamingLLM 4+256, sinks in float) | ppl | KV bytes / token |",
             "|---|---:|---:|"]
     for name, q in formats:
-        pc = CachePolicy("streaming", S, C, kv_quant=q)
+        pc = StreamingLLM(S, C, KVStorage(quant=q))
         per_tok = kv_bytes(pc.make_cache(cfg, 1, C)) / C
         rows.append(f"| {name} | {ppl(stream_score(params, cfg, ids, pc)[0]):.2f} | "
                     f"{per_tok:,.0f} |")
@@ -83,7 +83,7 @@ def kv(params, cfg, ids, a) -> list[str]:
 def smoothquant(params, cfg, ids, a, calib_ids) -> list[str]:
     from jaxllm.smoothquant import CalibConfig, quantize
     calib = CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len, heldout_seqs=8)
-    pc = CachePolicy("streaming", 4, 256)
+    pc = StreamingLLM(4, 256)
     rows = ["| weights / activations | alpha | ppl (StreamingLLM 4+252) |", "|---|---:|---:|",
             f"| float32 | - | {ppl(stream_score(params, cfg, ids, pc)[0]):.2f} |"]
     runs = [("W8 weight-only", "w8", None, False), ("naive W8A8 O1", "o1", None, False),
@@ -100,23 +100,21 @@ def smoothquant(params, cfg, ids, a, calib_ids) -> list[str]:
 
 
 def eviction(params, cfg, ids, a) -> list[str]:
-    q4 = KVQuant("token", 4, 0)
+    q4 = KVStorage(quant=KVQuant("token", 4, 0))
     S, heavy, recent = 4, 126, 126  # 256 slots, as StreamingLLM 4+252
     rows = ["| policy (256 slots, 4-bit per-token KV) | ppl |", "|---|---:|"]
-    for name, pc in [("StreamingLLM 4+252", CachePolicy("streaming", 4, 256, kv_quant=q4)),
-                     ("H2O 4+126+126", CachePolicy.of("h2o", S, 256, kv_quant=q4,
-                                                      heavy=heavy, recent=recent)),
-                     ("Q-Hitter 4+126+126, lambda 0.5", CachePolicy.of(
-                         "qhitter", S, 256, kv_quant=q4, heavy=heavy, recent=recent,
-                         lam=0.5))]:
+    for name, pc in [("StreamingLLM 4+252", StreamingLLM(4, 256, q4)),
+                     ("H2O 4+126+126", H2O(S, 256, heavy, recent, q4)),
+                     ("Q-Hitter 4+126+126, lambda 0.5", QHitter(S, 256, heavy, recent, q4,
+                                                                lam=0.5))]:
         rows.append(f"| {name} | {ppl(stream_score(params, cfg, ids, pc)[0]):.2f} |")
     return rows
 
 
 def long(params, cfg, ids, a) -> list[str]:
     rows = [f"| method ({len(ids)} tokens) | ppl | last 1,024 tokens |", "|---|---:|---:|"]
-    for name, pc in [("dense", CachePolicy("dense", 0, len(ids))),
-                     ("StreamingLLM 4+1020", CachePolicy("streaming", 4, 1024))]:
+    for name, pc in [("dense", Dense()),
+                     ("StreamingLLM 4+1020", StreamingLLM(4, 1024))]:
         nll = stream_score(params, cfg, ids, pc)[0]
         rows.append(f"| {name} | {ppl(nll):.2f} | {ppl(nll[-1024:]):.2f} |")
     return rows

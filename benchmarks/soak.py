@@ -43,14 +43,14 @@ def main():
 
     import jaxllm
     from jaxllm.corpus import builtin_corpus
-    from jaxllm.policy import CachePolicy
+    from jaxllm.policy import policy_of
     from jaxllm.ppl import nll_chunk
     cfg, params, tok = jaxllm.load_model(a.model)
     base = np.asarray(tok.encode(builtin_corpus()), np.int32)
     ids = np.resize(base, a.tokens + 1)  # the corpus repeated
     from jaxllm.kv.quantized import KVQuant
-    kv = KVQuant("token", bits=a.kv_bits, group=0) if a.method == "qhitter" else KVQuant()
-    pc = CachePolicy.of(a.method, a.sinks, a.cache, kv_quant=kv)
+    kv = KVQuant("token", bits=a.kv_bits, group=0) if a.method == "qhitter" else None
+    pc = policy_of(a.method, sinks=a.sinks, cache=a.cache, kv_quant=kv)
     cache = pc.make_cache(cfg, 1, 0)
     rows, acc, n_in, nan = [], 0.0, 0, 0
     t0 = time.perf_counter()
@@ -62,7 +62,7 @@ def main():
         toks[0, :m], tgts[0, :m] = ids[s:s + m], ids[s + 1:s + 1 + m]
         (nll, _), cache = nll_chunk(params, cfg, cache, jnp.asarray(toks), jnp.asarray(tgts),
                                      jnp.asarray([m], jnp.int32),
-                                     stepwise=a.method != "streaming")
+                                     stepwise=pc.stepwise)
         v = np.asarray(nll)[0, :m].astype(np.float64)
         nan += int(np.isnan(v).sum())
         acc += float(np.nansum(v))

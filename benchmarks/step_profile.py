@@ -242,7 +242,7 @@ def main():
     import jax.numpy as jnp
 
     import jaxllm
-    from jaxllm.policy import CachePolicy
+    from jaxllm.policy import StreamingLLM
     from pallas_kernels import cpu
 
     cfg0 = jaxllm.PRESETS[a.preset]
@@ -257,7 +257,7 @@ def main():
     probe = jnp.ones((NOW_BYTES // 4096, 1024), jnp.float32)
     probe_sum = jax.jit(jnp.sum)
     for W in [int(x) for x in a.caches.split(",")]:
-        pc = CachePolicy("streaming", 4, 4 + W)
+        pc = StreamingLLM(4, 4 + W)
         for B in [int(x) for x in a.batch.split(",")]:
             for name, (cfg, params, kv_dtype) in models.items():
                 cache = full_ring(pc.make_cache(cfg, B, 0, dtype=kv_dtype))

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from .kv.quantized import KVQuant
-from .policy import CachePolicy
+from .policy import CachePolicy, Dense, KVStorage, Recompute, StreamingLLM, Window
 from .ppl import recompute_at, stream_score
 
 # Questions of the chat, each with the words one of which a right answer contains.
@@ -53,17 +53,16 @@ class DemoConfig:
     def policies(self) -> list[CachePolicy]:
         """The streamed rows: dense, window and StreamingLLM."""
         S, C = self.sinks, self.cache
-        return [CachePolicy("dense", 0, C), CachePolicy("window", 0, C),
-                CachePolicy("streaming", S, C)]
+        return [Dense(), Window(C), StreamingLLM(S, C)]
 
     @property
-    def recompute(self) -> CachePolicy:
-        return CachePolicy("recompute", self.sinks, self.cache)
+    def recompute(self) -> Recompute:
+        return Recompute(self.sinks, self.cache)
 
     @property
-    def generation_policy(self) -> CachePolicy:
+    def generation_policy(self) -> StreamingLLM:
         """The cache the chat (or the continuation) streams through."""
-        return CachePolicy("streaming", self.sinks, self.chat_cache)
+        return StreamingLLM(self.sinks, self.chat_cache)
 
     def sampled_positions(self, n_tokens: int) -> np.ndarray:
         """Sorted positions t (the prediction of token t + 1) drawn without replacement from
@@ -102,7 +101,7 @@ def _run(params, cfg, ids, pc: CachePolicy, desc: str) -> tuple[np.ndarray, dict
         t0 = time.perf_counter()
         nll = stream_score(params, cfg, ids, pc, True, desc)[0]
         secs = time.perf_counter() - t0
-    slots = len(ids) + 1 if pc.method == "dense" else pc.cache
+    slots = pc.slots(len(ids) + 1)
     return nll, {"ppl": float(np.exp(nll.astype(np.float64).mean())),
                  "tokens_per_s": len(nll) / max(secs - spent[0], 1e-9),
                  "kv_mib": _kv_mib(cfg, pc, slots), "positions": len(nll)}
@@ -118,7 +117,7 @@ def _recompute_row(params, cfg, ids, dc: DemoConfig, label: str, stream_nll: np.
     paired = stream_nll[pos]
     row = {"ppl": float(np.exp(nll.astype(np.float64).mean())),
            "tokens_per_s": len(pos) / max(secs - spent[0], 1e-9),
-           "kv_mib": _kv_mib(cfg, CachePolicy("dense", 0, dc.cache), dc.cache),
+           "kv_mib": _kv_mib(cfg, Dense(), dc.cache),
            "positions": int(len(pos)),
            "streaming_ppl_same_positions": float(np.exp(paired.astype(np.float64).mean()))}
     return row, {"positions": [int(p) for p in pos],
@@ -137,7 +136,8 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
         contexts[label] = cfg.max_seq_len
         stream_rows = list(dc.policies())
         if dc.kv_quant.enabled:
-            stream_rows.append(dataclasses.replace(stream_rows[2], kv_quant=dc.kv_quant))
+            stream_rows.append(dataclasses.replace(stream_rows[2],
+                                                   storage=KVStorage(quant=dc.kv_quant)))
         for pc in stream_rows:
             nll, r = _run(params, cfg, ids, pc, f"{label}: {pc.label}")
             rows.append({"model": label, "method": pc.label, **r})

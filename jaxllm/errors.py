@@ -16,7 +16,7 @@ _FIND = re.compile("\x00(\\w+)\x00")
 
 # How the Python API names a setting in a message (default: the field's own name).
 API_NAMES = {"kv_bits": "kv bits", "kv_group": "kv group", "kv_residual": "kv residual",
-             "lam": "lam (λ)"}
+             "kv_dtype": "kv dtype", "kv_quant": "kv quant", "lam": "lam (λ)"}
 
 
 class _Params:

@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .kv.cache import KVCache, check_room
 from .config import INT32_MAX, ModelConfig
 from .model import apply, check_chunk, forward
-from .policy import with_sink
+from .positions import with_sink
 from .weight_only import loop_weights
 
 

@@ -14,7 +14,7 @@ from . import attention, lowbit
 from .kv import cache as kvc
 from .kv import evict, stores
 from .config import ModelConfig
-from .policy import check_positions
+from .positions import check_positions
 from .lowbit import QLowBit
 from .quant import QKernel, qmatmul
 from .rope import inv_freq
@@ -392,10 +392,9 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
                 raise ValueError(f"lengths must lie in [0, {T}] (valid tokens per row of this "
                                  f"chunk), got values in [{lo}, {hi}]")
     if cache is None:
-        check_positions(cfg, "dense", T)
+        check_positions(cfg, T)
     else:
-        check_positions(cfg, "streaming" if cache.ring or cache.sinks else "dense",
-                        cache.capacity)
+        check_positions(cfg, cache.capacity, streams=bool(cache.ring or cache.sinks))
     if cache is None:
         if lengths is not None:
             raise ValueError("lengths (right padding) only applies to a forward with a cache; "
@@ -458,5 +457,5 @@ def check_positions_arg(cfg: ModelConfig, tokens, cache, positions) -> jax.Array
         p = np.asarray(pos)
         if (p < 0).any() or (np.diff(p, axis=1) <= 0).any():
             raise ValueError("positions must be >= 0 and strictly increasing along each row")
-        check_positions(cfg, "dense", int(p.max()) + 1)
+        check_positions(cfg, int(p.max()) + 1)
     return pos.astype(jnp.int32)

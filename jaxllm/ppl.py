@@ -1,7 +1,8 @@
 """Streaming perplexity: per-token NLL of a text through a cache policy (StreamingLLM Fig. 3).
 
-The policies (dense, window, StreamingLLM, recompute) are :class:`jaxllm.policy.CachePolicy`;
-``CachePolicy`` is its older name.
+The policies (dense, window, StreamingLLM, recompute, H2O, Q-Hitter) are the variants of
+:class:`jaxllm.policy.CachePolicy`. ``chunk`` tokens go into each forward call; the chunk never
+changes the result, only the speed.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from .config import ModelConfig
 from .generate import greedy
 from .model import apply
 from .plots import figure, running_mean
-from .policy import METHODS, SCORED, CachePolicy, check_positions, with_sink
+from .policy import CachePolicy, Recompute, StreamingLLM
+from .positions import with_sink
 from .weight_only import loop_weights
 
-__all__ = ["METHODS", "CachePolicy", "recompute_at", "run_ppl", "stream_nll",
+__all__ = ["recompute_at", "run_ppl", "stream_nll",
            "stream_score", "summarize"]
 
 
@@ -58,10 +60,10 @@ def _nll_last(params, cfg: ModelConfig, windows, targets):
     return _score(logits[:, 0], targets)
 
 
-def _cached_nll(params, cfg, tokens, pc: CachePolicy, bar):
+def _cached_nll(params, cfg, tokens, pc: CachePolicy, chunk: int, bar):
     n = len(tokens) - 1
     cache = pc.make_cache(cfg, 1, n)
-    C = min(pc.chunk, n)
+    C = min(chunk, n)
     nll, hit = np.empty(n, np.float32), np.empty(n, bool)
     for s in range(0, n, C):
         m = min(C, n - s)
@@ -70,13 +72,13 @@ def _cached_nll(params, cfg, tokens, pc: CachePolicy, bar):
         tgts = np.zeros((1, C), np.int32)
         toks[0, :m], tgts[0, :m] = tokens[s:s + m], tokens[s + 1:s + 1 + m]
         (out, ok), cache = nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32),
-                                      stepwise=pc.method in SCORED)
+                                      stepwise=pc.stepwise)
         nll[s:s + m], hit[s:s + m] = np.asarray(out)[0, :m], np.asarray(ok)[0, :m]
         bar.update(m)
     return nll, hit
 
 
-def _recompute_nll(params, cfg, tokens, pc: CachePolicy, bar):
+def _recompute_nll(params, cfg, tokens, pc: Recompute, chunk: int, bar):
     n, L = len(tokens) - 1, pc.cache
     first = min(L, n)  # while t < L nothing is evicted: one causal forward is exact
     nll, hit = np.empty(n, np.float32), np.empty(n, bool)
@@ -90,7 +92,7 @@ def _recompute_nll(params, cfg, tokens, pc: CachePolicy, bar):
     return nll, hit
 
 
-def _windows_nll(params, cfg, tokens, pc: CachePolicy, ts: np.ndarray, bar=None):
+def _windows_nll(params, cfg, tokens, pc: Recompute, ts: np.ndarray, bar=None):
     """(NLL, hit) of tokens[t + 1] for each t in ``ts`` (t >= pc.cache), each from a fresh
     forward over the sinks and the last ``pc.window`` tokens up to t: sliding window with
     re-computation (StreamingLLM's baseline), a few windows per call."""
@@ -112,15 +114,14 @@ def _windows_nll(params, cfg, tokens, pc: CachePolicy, ts: np.ndarray, bar=None)
     return nll, hit
 
 
-def recompute_at(params, cfg: ModelConfig, tokens, pc: CachePolicy, positions,
+def recompute_at(params, cfg: ModelConfig, tokens, pc: Recompute, positions,
                  progress: bool = False, desc: Optional[str] = None) -> np.ndarray:
     """NLL of tokens[t + 1] at each of ``positions`` (each >= ``pc.cache``: where the window
-    has slid) by sliding window with re-computation (``pc``: method recompute, its sinks and
-    cache): the baseline scored at sampled positions, for a paired comparison with another
+    has slid) by sliding window with re-computation (``pc``: its sinks and cache): the baseline scored at sampled positions, for a paired comparison with another
     policy's :func:`stream_score` at the same indices, without recomputing every token."""
     from tqdm.auto import tqdm
-    if pc.method != "recompute":
-        raise ValueError(f"recompute_at takes a recompute policy, got {pc.method!r}")
+    if not isinstance(pc, Recompute):
+        raise ValueError(f"recompute_at takes a Recompute policy, got {pc.label}")
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     positions = np.asarray(positions, np.int64)
     if positions.size and (positions.min() < pc.cache or positions.max() >= tokens.size - 1):
@@ -129,22 +130,22 @@ def recompute_at(params, cfg: ModelConfig, tokens, pc: CachePolicy, positions,
                          f"{positions.max()}")
     lead = with_sink(cfg, tokens)
     skip = lead.size - tokens.size  # a learnable sink in front: indices shift by one
-    check_positions(cfg, "recompute", pc.cache)
+    pc.check(cfg, lead.size)
     with tqdm(total=positions.size, unit="tok", disable=not progress,
               desc=desc or "recompute") as bar:
         return _windows_nll(params, cfg, lead, pc, positions + skip, bar)[0]
 
 
-def stream_nll(params, cfg: ModelConfig, tokens, pc: CachePolicy = CachePolicy(),
-               progress: bool = False) -> np.ndarray:
-    """NLL (nats) of tokens[1:], each predicted from what ``pc.method`` keeps of its past."""
-    return stream_score(params, cfg, tokens, pc, progress)[0]
+def stream_nll(params, cfg: ModelConfig, tokens, pc: CachePolicy = StreamingLLM(),
+               progress: bool = False, chunk: int = 256) -> np.ndarray:
+    """NLL (nats) of tokens[1:], each predicted from what ``pc`` keeps of its past."""
+    return stream_score(params, cfg, tokens, pc, progress, chunk=chunk)[0]
 
 
-def stream_score(params, cfg: ModelConfig, tokens, pc: CachePolicy = CachePolicy(),
-                 progress: bool = False, desc: Optional[str] = None
+def stream_score(params, cfg: ModelConfig, tokens, pc: CachePolicy = StreamingLLM(),
+                 progress: bool = False, desc: Optional[str] = None, chunk: int = 256
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(NLL, argmax hit) of tokens[1:], each predicted from what ``pc.method`` keeps of its past.
+    """(NLL, argmax hit) of tokens[1:], each predicted from what ``pc`` keeps of its past.
     A span of hits is an exact match: greedy decoding from its prefix would produce it.
     A learnable-sink model gets its sink token in front of the stream (it was trained with one
     first in every sample); the scores are still those of tokens[1:]."""
@@ -157,12 +158,14 @@ def stream_score(params, cfg: ModelConfig, tokens, pc: CachePolicy = CachePolicy
                          f"{tokens.max()}: does the tokenizer match the model?")
     lead = with_sink(cfg, tokens)
     pc = pc.resolve(lead.size)  # h2o/qhitter budgets given as fractions of the text
-    check_positions(cfg, pc.method, pc.cache if pc.method == "recompute" else lead.size)
+    pc.check(cfg, lead.size)
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     skip = lead.size - tokens.size  # predictions of tokens[0] from the sink: not scored
     with tqdm(total=lead.size - 1, unit="tok", unit_scale=True, disable=not progress,
-              desc=desc or f"ppl {pc.method}") as bar:
-        fn = _recompute_nll if pc.method == "recompute" else _cached_nll
-        nll, hit = fn(params, cfg, lead, pc, bar)
+              desc=desc or f"ppl {pc.name}") as bar:
+        fn = _cached_nll if pc.keeps_cache else _recompute_nll
+        nll, hit = fn(params, cfg, lead, pc, chunk, bar)
     return nll[skip:], hit[skip:]
 
 
@@ -195,15 +198,17 @@ def plot_nll(nll: np.ndarray, path: str, title: str, smooth: Optional[int] = Non
         ax.legend(loc="upper right")
 
 
-def run_ppl(params, cfg: ModelConfig, tokens, pc: CachePolicy, progress: bool = True) -> tuple:
+def run_ppl(params, cfg: ModelConfig, tokens, pc: CachePolicy, progress: bool = True,
+            chunk: int = 256) -> tuple:
     """``(nll, summary)`` where the summary carries timing and peak memory."""
     t0 = time.perf_counter()
     pc = pc.resolve(len(with_sink(cfg, np.asarray(tokens).reshape(-1))))
-    nll = stream_nll(params, cfg, tokens, pc, progress)
+    nll = stream_nll(params, cfg, tokens, pc, progress, chunk)
     secs = time.perf_counter() - t0
-    summary = {"method": pc.method, "label": pc.label, "sinks": pc.sinks,
-               "cache": pc.cache if pc.method != "dense" else len(nll), "chunk": pc.chunk,
-               "kv_dtype": pc.kv_dtype, **summarize(nll), "seconds": secs,
+    summary = {"method": pc.name, "label": pc.label, "sinks": pc.sinks,
+               "cache": pc.slots(len(nll)), "chunk": chunk,
+               "kv_dtype": pc.storage.dtype if pc.storage else None, **summarize(nll),
+               "seconds": secs,
                "tokens_per_s": len(nll) / secs, "peak_rss_mb": peak_rss_mb(),
                "jax": jax.__version__, "backend": jax.default_backend()}
     return nll, summary

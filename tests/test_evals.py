@@ -14,7 +14,7 @@ from jaxllm.evals import passkey, passkey_task, score_task, streameval_task
 from jaxllm.evals import attention as att
 from jaxllm.evals.common import Task, exact_matches
 from jaxllm.cli import main
-from jaxllm.ppl import CachePolicy
+from jaxllm.policy import Dense, Recompute, StreamingLLM
 
 TOK = jaxllm.ByteTokenizer()
 
@@ -86,16 +86,15 @@ def test_exact_match_equals_greedy_decoding():
     # with room for the whole stream every policy sees everything; with 4+20 the stream is
     # streamed past eviction, and the generation must use the same cache as the scoring
     cases = [(greedy(jaxllm.init_cache(cfg, 1, sinks=0, window=64, ring=False)),
-              [CachePolicy("dense", 0, 64), CachePolicy("streaming", 4, 64, chunk=7),
-               CachePolicy("recompute", 4, 64)]),
+              [Dense(), StreamingLLM(4, 64), Recompute(4, 64)]),
              (greedy(jaxllm.init_cache(cfg, 1, sinks=4, window=20)),
-              [CachePolicy("streaming", 4, 24, chunk=7)])]
+              [StreamingLLM(4, 24)])]
     for ans, policies in cases:
         for answer, want in ((ans, True), (np.r_[ans[:4], (ans[4] + 1) % 256], False)):
             ids = np.concatenate([prefix, answer, TOK.encode(">.")]).astype(np.int32)
             task = Task(ids, [(len(prefix), len(prefix) + 5)], [{}])
             for pc in policies:
-                assert score_task(params, cfg, task, pc).tolist() == [want], (pc, want)
+                assert score_task(params, cfg, task, pc, chunk=7).tolist() == [want], (pc, want)
 
 
 def test_sink_metric_on_hand_made_maps():

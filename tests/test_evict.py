@@ -18,7 +18,7 @@ import jaxllm
 from jaxllm.kv import evict
 from jaxllm.kv.evict import Evict
 from jaxllm.kv.quantized import KVQuant, roundtrip
-from jaxllm.policy import CachePolicy
+from jaxllm.policy import H2O, KVStorage, QHitter, StreamingLLM, policy_of
 
 PARAMS = {"neox": jaxllm.init_params(NEOX, jax.random.key(0)),
           "llama": jaxllm.init_params(LLAMA, jax.random.key(0))}
@@ -244,7 +244,7 @@ def test_prompt_in_one_chunk_attends_fully_then_keeps_the_top_columns():
 
 def test_generate_in_one_jit_equals_python_loop_without_recompiling():
     cfg, params = LLAMA, PARAMS["llama"]
-    pc = CachePolicy.of("qhitter", sinks=2, cache=14, heavy=8, recent=4)
+    pc = QHitter(sinks=2, cache=14, heavy=8, recent=4)
     prompt = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 9)))
     sc = jaxllm.SamplingConfig(max_new_tokens=24)
     res = jaxllm.generate(params, cfg, prompt, pc.make_cache(cfg, 2, 0), sc)
@@ -266,14 +266,14 @@ def test_generate_in_one_jit_equals_python_loop_without_recompiling():
 # ---- budgets and errors ---------------------------------------------------------------------------
 
 def test_budgets_as_counts_or_fractions():
-    pc = CachePolicy.of("h2o", heavy=0.1, recent=0.05).resolve(1000)
+    pc = H2O(heavy=0.1, recent=0.05).resolve(1000)
     assert (pc.heavy, pc.recent, pc.cache) == (100, 50, 150)
     assert pc.evict_spec() == Evict("h2o", 100, 50)
     assert pc.label == "H2O 0+100+50"
-    q = CachePolicy.of("qhitter", cache=200)  # the authors' 15% + 5% split, 7/15 by attention
+    q = QHitter(cache=200)  # the authors' 15% + 5% split, 7/15 by attention
     assert q.evict_spec() == Evict("qhitter", 150, 50, 70, 0.5)
-    assert q.kv_quant == KVQuant("token", bits=4, group=0)
-    cache = CachePolicy.of("h2o", sinks=4, cache=132).make_cache(LLAMA, 1, 0)
+    assert q.storage.quant == KVQuant("token", bits=4, group=0)
+    cache = H2O(sinks=4, cache=132).make_cache(LLAMA, 1, 0)
     assert cache.capacity == 133 and cache.evict_by == Evict("h2o", 64, 64)
 
 
@@ -282,13 +282,33 @@ def test_budgets_as_counts_or_fractions():
     (dict(heavy=1.5), "count .* or a fraction"),
     (dict(recent=-0.1), "count .* or a fraction"),
     (dict(method="qhitter", lam=1.2), r"lam \(λ\) must lie in \[0, 1\]"),
-    (dict(method="streaming", heavy=10), "apply to --method h2o or qhitter"),
+    (dict(method="streaming", heavy=10), "heavy applies to method h2o or qhitter, not streaming"),
     (dict(kv_quant=KVQuant("kivi", bits=2, group=16)), "KIVI"),
 ])
 def test_bad_budgets_are_named(kwargs, match):
     kwargs = {"method": "h2o", **kwargs}
     with pytest.raises(ValueError, match=match):
-        CachePolicy.of(**kwargs)
+        policy_of(**kwargs)
+
+
+def test_settings_a_method_lacks_cannot_be_written():
+    """Budgets on StreamingLLM, sinks on a plain window, a KV store for recompute: the variants
+    have no such field, and the name-based builder refuses them by name."""
+    with pytest.raises(TypeError):
+        StreamingLLM(heavy=10)  # noqa
+    with pytest.raises(TypeError):
+        jaxllm.Window(sinks=4)  # noqa
+    with pytest.raises(TypeError):
+        jaxllm.Recompute(storage=KVStorage("bfloat16"))  # noqa
+    with pytest.raises(ValueError, match="method window keeps no sink tokens"):
+        policy_of("window", sinks=4)
+    with pytest.raises(ValueError, match="no KV cache to quantize"):
+        policy_of("recompute", kv_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"lam \(λ\) applies to method qhitter, not h2o"):
+        policy_of("h2o", lam=0.3)
+    # what is not given keeps the method's default: Q-Hitter's own 4-bit store, in bfloat16
+    q = policy_of("qhitter", cache=200, kv_dtype="bfloat16")
+    assert q.storage == KVStorage("bfloat16", KVQuant("token", bits=4, group=0))
 
 
 def test_learned_positions_cannot_roll():
@@ -297,7 +317,7 @@ def test_learned_positions_cannot_roll():
     params = jaxllm.init_params(OPT16, jax.random.key(0))
     for method in ("h2o", "qhitter"):
         with pytest.raises(ValueError, match="learned absolute positions, so it cannot stream"):
-            stream_score(params, OPT16, np.arange(12), CachePolicy.of(method, cache=8))
+            stream_score(params, OPT16, np.arange(12), policy_of(method, cache=8))
     with pytest.raises(ValueError, match="cannot stream"):
         jaxllm.forward(params, OPT16, np.zeros((1, 3), np.int32),
                        jaxllm.init_cache(OPT16, 1, 0, evict_by=Evict("h2o", 2, 2)))

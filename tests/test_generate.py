@@ -183,7 +183,7 @@ def test_decode_loops_read_narrow_weights_in_place(weights):
                                                                       batch=2))
     else:
         narrow = jaxllm.quant.half_weights(params)
-    policy = jaxllm.CachePolicy("streaming", 2, 16)
+    policy = jaxllm.StreamingLLM(2, 16)
     toks, lens = jnp.ones((1, 4), jnp.int32), jnp.array([4], jnp.int32)
 
     def temp_bytes(p):  # [generate, stepwise nll]

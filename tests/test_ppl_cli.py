@@ -11,7 +11,8 @@ from reference import NaiveStream, rounded_weights
 import jaxllm
 from jaxllm.cli import main
 from jaxllm.corpus import builtin_corpus
-from jaxllm.ppl import CachePolicy, stream_nll
+from jaxllm.policy import KVStorage, Recompute, StreamingLLM, policy_of
+from jaxllm.ppl import stream_nll
 
 PARAMS = jaxllm.init_params(NEOX, jax.random.key(0))
 TOKENS = np.asarray(jax.random.randint(jax.random.key(9), (70,), 0, NEOX.vocab_size))
@@ -27,14 +28,14 @@ def naive_nll(params, cfg, tokens, sinks, window):
 @pytest.mark.parametrize("method,sinks,window", [("streaming", 2, 6), ("window", 0, 8),
                                                  ("dense", 0, None)])
 def test_cached_methods_match_naive_stream(method, sinks, window):
-    pc = CachePolicy(method=method, sinks=sinks, cache=8, chunk=5)
-    got = stream_nll(PARAMS, NEOX, TOKENS, pc)
+    pc = policy_of(method, sinks=sinks or None, cache=None if method == "dense" else 8)
+    got = stream_nll(PARAMS, NEOX, TOKENS, pc, chunk=5)
     np.testing.assert_allclose(got, naive_nll(PARAMS, NEOX, TOKENS, sinks, window), atol=5e-5)
 
 
 def test_recompute_is_forward_on_sinks_plus_last_window():
     S, L = 2, 8
-    got = stream_nll(PARAMS, NEOX, TOKENS, CachePolicy(method="recompute", sinks=S, cache=L))
+    got = stream_nll(PARAMS, NEOX, TOKENS, Recompute(sinks=S, cache=L))
     for t in [0, 5, L - 1, L, 33, 68]:  # early tokens see everything; later ones S + last L-S
         ctx = TOKENS[:t + 1] if t < L else np.r_[TOKENS[:S], TOKENS[t - (L - S) + 1:t + 1]]
         logits, _ = jaxllm.forward(PARAMS, NEOX, ctx[None])
@@ -46,18 +47,20 @@ def test_recompute_equals_streaming_for_one_layer():
     # One layer: cached keys depend on the token alone, so re-computation changes nothing.
     cfg = dataclasses.replace(NEOX, num_layers=1)
     params = jaxllm.init_params(cfg, jax.random.key(3))
-    a = stream_nll(params, cfg, TOKENS, CachePolicy(method="recompute", sinks=3, cache=9))
-    b = stream_nll(params, cfg, TOKENS, CachePolicy(method="streaming", sinks=3, cache=9, chunk=7))
+    a = stream_nll(params, cfg, TOKENS, Recompute(sinks=3, cache=9))
+    b = stream_nll(params, cfg, TOKENS, StreamingLLM(sinks=3, cache=9), chunk=7)
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_ppl_config_errors():
     with pytest.raises(ValueError, match="unknown method 'sliding'"):
-        CachePolicy(method="sliding")
+        policy_of("sliding")
     with pytest.raises(ValueError, match="keeps no sink tokens"):
-        CachePolicy(method="window", sinks=4)
+        policy_of("window", sinks=4)
     with pytest.raises(ValueError, match="must exceed sinks"):
-        CachePolicy(method="streaming", sinks=4, cache=4)
+        StreamingLLM(sinks=4, cache=4)
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        stream_nll(PARAMS, NEOX, TOKENS, chunk=0)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         stream_nll(PARAMS, NEOX, [3])
 
@@ -82,7 +85,7 @@ def test_cli_ppl_writes_json_and_plot(tmp_path, capsys):
     assert len(s["ppl_per_bucket"]) == 1 and s["nan_count"] == 0 and s["peak_rss_mb"] > 0
     # the summary's ppl is exp(mean NLL) of the same stream scored through the API
     cfg, params, tok = jaxllm.load_model("random:pythia-tiny")
-    nll = stream_nll(params, cfg, tok.encode(f.read_text())[:600], CachePolicy(sinks=4, cache=64))
+    nll = stream_nll(params, cfg, tok.encode(f.read_text())[:600], StreamingLLM(sinks=4, cache=64))
     assert s["ppl"] == pytest.approx(float(np.exp(nll.astype(np.float64).mean())), rel=1e-5)
     assert (out / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -100,19 +103,19 @@ def test_cli_kv_dtype(tmp_path):
     assert ppl["bfloat16"]["kv_dtype"] == "bfloat16" and "KV bfloat16" in ppl["bfloat16"]["label"]
     cfg, params, tok = jaxllm.load_model("random:pythia-tiny")
     ids = tok.encode(builtin_corpus())[:120]
-    nll = stream_nll(params, cfg, ids, CachePolicy(sinks=4, cache=24, chunk=8, kv_dtype="bfloat16"))
+    nll = stream_nll(params, cfg, ids, StreamingLLM(4, 24, KVStorage("bfloat16")), chunk=8)
     assert ppl["bfloat16"]["ppl"] == pytest.approx(float(np.exp(nll.astype(np.float64).mean())),
                                                    rel=1e-5)
     assert ppl["bfloat16"]["ppl"] != ppl["float32"]["ppl"]
     assert ppl["bfloat16"]["ppl"] == pytest.approx(ppl["float32"]["ppl"], rel=1e-2)
     with pytest.raises(ValueError, match="kv dtype must be one of float32, bfloat16, float16"):
-        CachePolicy(kv_dtype="int8")
+        KVStorage("int8")
 
 
 @pytest.mark.parametrize("content,args,msg", [
     (b"caf\xe9 au lait", [], "is not UTF-8"),
     (b"  \n", [], "is empty"),
-    (b"hello world", ["--method", "sliding"], "unknown method"),
+    (b"hello world", ["--method", "sliding"], "unknown --method 'sliding'"),
     (b"hello world", ["--method", "window", "--sinks", "4"], "keeps no sink tokens"),
 ])
 def test_cli_bad_input(tmp_path, capsys, content, args, msg):
@@ -201,7 +204,7 @@ def test_cli_decode_weights(tmp_path, capsys):
                      "--chunk", "16", "--quiet", "--json", str(tmp_path / "s.json")]) == 0
         got = json.loads((tmp_path / "s.json").read_text())["ppl"]
         nll = stream_nll(rounded_weights(params, dtype), cfg, ids,
-                         CachePolicy(method="streaming", sinks=4, cache=32, chunk=16))
+                         StreamingLLM(sinks=4, cache=32), chunk=16)
         np.testing.assert_allclose(got, float(np.exp(np.mean(nll))), rtol=rtol)
     capsys.readouterr()
     assert main(["ppl", "--model", "embedded", "--weights", "int8"]) == 2

@@ -14,7 +14,8 @@ from conftest import LLAMA, NEOX
 
 import jaxllm
 from jaxllm.cli import main
-from jaxllm.ppl import CachePolicy, stream_score
+from jaxllm.policy import Dense, Recompute, StreamingLLM, Window
+from jaxllm.ppl import stream_score
 
 OPT16 = jaxllm.ModelConfig.of_family("opt", vocab_size=64, hidden_size=32, num_layers=1,
                                      num_heads=4, max_seq_len=16)
@@ -38,12 +39,12 @@ def test_learned_positions_never_read_past_their_table():
     params = jaxllm.init_params(OPT16, jax.random.key(0))
     text = np.arange(40) % 64
     with pytest.raises(ValueError, match="learned positions for 16 tokens; a dense cache over 40"):
-        stream_score(params, OPT16, text, CachePolicy("dense", 0, 16))
+        stream_score(params, OPT16, text, Dense())
     with pytest.raises(ValueError, match="recompute window of 64 exceeds them"):
-        stream_score(params, OPT16, text, CachePolicy("recompute", 0, 64))
+        stream_score(params, OPT16, text, Recompute(0, 64))
     with pytest.raises(ValueError, match="cannot stream"):
-        stream_score(params, OPT16, text, CachePolicy("streaming", 4, 12))
-    nll, _ = stream_score(params, OPT16, text[:16], CachePolicy("dense", 0, 16))  # within: fine
+        stream_score(params, OPT16, text, StreamingLLM(4, 12))
+    nll, _ = stream_score(params, OPT16, text[:16], Dense())  # within: fine
     assert np.isfinite(nll).all()
 
 
@@ -174,7 +175,7 @@ def test_impossible_cache_is_refused_with_its_size(monkeypatch):
     with pytest.raises(ValueError, match=r"needs \d+\.\d GiB .* use a smaller cache"):
         jaxllm.init_cache(LLAMA, 1, 4, 10 ** 9)
     with pytest.raises(ValueError, match="cache must be >= 1"):
-        CachePolicy("dense", 0, -5)
+        Window(-5)
 
 
 @pytest.mark.parametrize("args,msg", [

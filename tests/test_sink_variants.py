@@ -11,7 +11,8 @@ from reference import naive_logits
 
 import jaxllm
 from jaxllm import tree
-from jaxllm.ppl import CachePolicy, stream_score
+from jaxllm.policy import StreamingLLM
+from jaxllm.ppl import stream_score
 
 
 @pytest.mark.parametrize("base", [NEOX, LLAMA], ids=["neox", "llama"])
@@ -54,7 +55,7 @@ def test_learnable_sink_leads_every_stream():
     logp = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(
         -1, keepdims=True)
     want = -logp[np.arange(1, 30), tokens[1:]]
-    got, _ = stream_score(params, cfg, tokens, CachePolicy("streaming", sinks=1, cache=6, chunk=7))
+    got, _ = stream_score(params, cfg, tokens, StreamingLLM(sinks=1, cache=6), chunk=7)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     # generate() on a fresh cache puts the sink first: the same as prompting with it by hand.
     sc = jaxllm.SamplingConfig(max_new_tokens=6)

@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any, Literal, Optional
 
 from jaxllm.config import BYTE_VOCAB, PRESETS, ModelConfig, RopeScaling
-from jaxllm.policy import check_positions
+from jaxllm.positions import check_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +82,14 @@ class TrainConfig:
                                ("b2", 0 <= self.b2 < 1, "in [0, 1)")):
             if not ok:
                 raise ValueError(f"{name} must be {what}, got {getattr(self, name)}")
-        check_positions(self.model, "dense", self.seq_len)  # a training sample is one dense pass
+        check_positions(self.model, self.seq_len)  # a training sample is one dense pass
         if self.pose_target:
             if self.pose_target <= self.seq_len:
                 raise ValueError(f"pose_target (LT) {self.pose_target} must exceed seq_len (Lc) "
                                  f"{self.seq_len}")
             if self.pose_span < 1:
                 raise ValueError(f"pose_span must be >= 1, got {self.pose_span}")
-            check_positions(self.model, "dense", self.pose_target)
+            check_positions(self.model, self.pose_target)
         # The model records its sink variant, so streaming and saving use it (ModelConfig.sink):
         # one setting, which ``sink`` reads back.
         if self.sink is not None and self.model.sink != self.sink:

@@ -167,14 +167,15 @@ def sink_probe(params, cfg: TrainConfig, text: np.ndarray) -> dict:
     """How sink-like the model is now: the sink metric over the first tokens of held-out
     samples, and window (0+W) vs StreamingLLM (4+W-4) perplexity past the first eviction."""
     from jaxllm.evals.attention import attention_maps, sink_metric
-    from jaxllm.ppl import CachePolicy, stream_score
+    from jaxllm.policy import StreamingLLM, Window
+    from jaxllm.ppl import stream_score
     m = dataclasses.replace(cfg.model, dtype="float32")
     L = min(cfg.seq_len, 256)
     metric = sink_metric(attention_maps(params, m, text[:4 * L].reshape(4, L)))
     W = max(8, cfg.seq_len // 2)
     out = {"sink_metric": metric["overall"], "sink_metric_per_layer": metric["per_layer"]}
-    for name, pc in (("window", CachePolicy("window", 0, W)),
-                     ("streaming", CachePolicy("streaming", 4, W))):
+    for name, pc in (("window", Window(W)),
+                     ("streaming", StreamingLLM(4, W))):
         nll = stream_score(params, m, text, pc)[0][W:]  # after the first eviction
         out[f"ppl_{name}"] = float(np.exp(nll.astype(np.float64).mean()))
     return out

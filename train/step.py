@@ -9,7 +9,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from jaxllm.model import apply, init_params
-from jaxllm.policy import with_sink
+from jaxllm.positions import with_sink
 
 from .config import TrainConfig
 

@@ -141,13 +141,23 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
     return cfg, params, tok
 
 
-def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024) -> None:
+def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024, methods=None,
+                    chunk: bool = True) -> None:
+    """--method (one of ``methods``, default every jaxllm.policy.METHODS), --sinks, --cache
+    (default ``cache`` for the methods that have one), --chunk, and the KV and eviction flags.
+    Settings left out take the method's own defaults; one it does not have is refused."""
+    from ..policy import METHODS
+    methods = list(methods or METHODS)
     p.add_argument("--method", default="streaming",
-                   help="cache policy: dense | window | recompute | streaming | h2o | qhitter")
+                   help=f"cache policy: {' | '.join(methods)}")
     p.add_argument("--sinks", type=SIZE, default=None,
-                   help="sink tokens kept (None: 4 for streaming, 0 otherwise)")
-    p.add_argument("--cache", type=COUNT, default=cache, help="cache size = sinks + window")
-    p.add_argument("--chunk", type=COUNT, default=256, help="tokens per forward call")
+                   help="sink tokens kept (default: 4 for streaming, 0 otherwise)")
+    p.add_argument("--cache", type=COUNT, default=None,
+                   help=f"cache size = sinks + window (default {cache}; dense holds the whole "
+                        f"text)")
+    p.set_defaults(cache_default=cache, methods=methods)
+    if chunk:
+        p.add_argument("--chunk", type=COUNT, default=256, help="tokens per forward call")
     add_kv_args(p)
     add_kv_dtype_arg(p)
     add_evict_args(p)
@@ -175,8 +185,9 @@ def add_evict_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heavy-attn", type=_budget, default=None,
                    help="qhitter: heavy slots chosen by attention alone (default 7/15 of "
                         "--heavy, the authors' 7%% of 15%%)")
-    g.add_argument("--lam", type=FRACTION, default=0.5,
-                   help="qhitter: λ, attention's weight against quantization error (1 = H2O)")
+    g.add_argument("--lam", type=FRACTION, default=None,
+                   help="qhitter: λ, attention's weight against quantization error (1 = H2O; "
+                        "default 0.5)")
 
 
 KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in full precision): "
@@ -188,8 +199,9 @@ KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in f
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the KV cache's float dtype (a quantized cache's sinks): bfloat16 halves "
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the KV cache's float dtype (default float32; a quantized cache's "
+                        "sinks): bfloat16 halves "
                         "its bytes; on a CPU, Pythia-160M decodes with a bfloat16 cache and "
                         "bfloat16 weights at 1.1-2.2x float32's speed (docs/BENCHMARKS.md)")
 
@@ -232,7 +244,8 @@ def seed_int(text: str) -> int:
 # The flags of the settings library errors name (jaxllm.errors.SettingError.params).
 FLAGS = {"kv_bits": "--kv-bits", "kv_group": "--kv-group", "kv_residual": "--kv-residual",
          "heavy_attn": "--heavy-attn", "lam": "--lam", "method": "--method", "cache": "--cache",
-         "keep_quantized": "--keep-quantized"}
+         "sinks": "--sinks", "heavy": "--heavy", "recent": "--recent", "kv_quant": "--kv-quant",
+         "kv_dtype": "--kv-dtype", "keep_quantized": "--keep-quantized"}
 
 
 def flag_names(e: Exception) -> str:
@@ -242,47 +255,44 @@ def flag_names(e: Exception) -> str:
 
 
 def policy(a):
-    """The CachePolicy of --method/--sinks/--cache/--chunk and the --kv-* flags."""
-    from ..policy import CachePolicy
+    """The cache policy of --method/--sinks/--cache, the eviction budgets and the --kv-* flags
+    (jaxllm.policy.policy_of: a flag the method does not take is refused by name)."""
+    from ..policy import METHODS, policy_of
+    if a.method not in a.methods:
+        raise CliError(f"unknown --method {a.method!r}; choose one of {', '.join(a.methods)}")
+    cls = METHODS[a.method]
+    settings = dict(sinks=a.sinks, cache=a.cache, heavy=a.heavy, recent=a.recent,
+                    heavy_attn=a.heavy_attn, lam=a.lam)
+    if a.cache is None and "cache" in cls.__dataclass_fields__:
+        settings["cache"] = a.cache_default
     try:
-        return CachePolicy.of(a.method, a.sinks, a.cache, a.chunk, evict_kv(a),
-                              kv_dtype=a.kv_dtype, **evict_budgets(a))
+        return policy_of(a.method, kv_quant=_stored(a, cls), kv_dtype=a.kv_dtype, **settings)
     except ValueError as e:
         raise CliError(flag_names(e)) from None
 
 
-def evict_budgets(a) -> dict:
-    """--heavy/--recent/--heavy-attn/--lam for h2o and qhitter (else nothing)."""
-    if a.method not in ("h2o", "qhitter"):
-        given = [f for f in ("heavy", "recent", "heavy_attn") if getattr(a, f) is not None]
-        if given:
-            raise CliError(f"--{given[0].replace('_', '-')} applies to --method h2o or qhitter")
-        return {}
-    return dict(heavy=a.heavy, recent=a.recent, heavy_attn=a.heavy_attn, lam=a.lam)
-
-
-def evict_kv(a):
-    """The KV storage: --kv-* flags; qhitter without --kv-quant stores --kv-bits codes per token
-    over the whole head (the authors' quantizer)."""
-    from ..kv.quantized import KVQuant
-    if a.method == "qhitter" and a.kv_quant == "none":
-        try:
-            return KVQuant("token", bits=a.kv_bits, group=0)
-        except ValueError as e:
-            raise CliError(flag_names(e)) from None
-    return kv_quant(a)
+def _stored(a, cls):
+    """The --kv-quant quantizer; without one, a method that quantizes its cache itself
+    (Q-Hitter: per-token codes over the whole head, the authors' quantizer) with --kv-bits."""
+    import dataclasses
+    if a.kv_quant != "none":
+        return kv_quant(a)
+    field = cls.__dataclass_fields__.get("storage")
+    own = None if field is None else field.default.quant
+    if own is None or not own.enabled:
+        return None
+    try:
+        return dataclasses.replace(own, bits=a.kv_bits)
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
 
 
 def check_streamable(cfg, pc, n_tokens: int = 0) -> None:
-    """Before the work: a learned-position model cannot stream or read past its table, and the
-    KV storage must fit the model's head dim and the window."""
-    from ..policy import check_positions
+    """Before the work: what the model's positions cannot do under ``pc`` over ``n_tokens``
+    (learned positions cannot stream or read past their table), and a KV storage that does not
+    fit the model's head dim."""
     try:
-        check_positions(cfg, pc.method, pc.cache if pc.method == "recompute" else n_tokens)
-    except ValueError as e:
-        raise CliError(flag_names(e)) from None
-    try:
-        pc.kv_quant.check(cfg.head_dim)
+        pc.check(cfg, n_tokens)
     except ValueError as e:
         raise CliError(flag_names(e)) from None
 

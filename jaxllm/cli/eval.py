@@ -165,7 +165,7 @@ def _eval_streameval(a, cfg, params, tok, pc) -> dict:
     from ..evals import streameval
     from ..evals.common import score_task
     task = streameval.streameval_task(a.lines, tok.encode, a.seed)
-    ok = score_task(params, cfg, task, pc, progress=not a.quiet)
+    ok = score_task(params, cfg, task, pc, progress=not a.quiet, chunk=a.chunk)
     rows = streameval.accuracy_by_length(task, ok, a.bucket)
     print(f"StreamEval {pc.label}: accuracy {ok.mean():.3f} over {len(ok)} queries, "
           f"{len(task.ids)} tokens")
@@ -182,7 +182,7 @@ def _eval_qa(a, cfg, params, tok, pc) -> dict:
     except (OSError, ValueError) as e:
         raise CliError(str(e)) from None
     task = qa.qa_task(records, tok.encode)
-    ok = score_task(params, cfg, task, pc, progress=not a.quiet)
+    ok = score_task(params, cfg, task, pc, progress=not a.quiet, chunk=a.chunk)
     print(f"streaming QA {pc.label}: exact match {ok.mean():.3f} over {len(ok)} answers, "
           f"{len(task.ids)} tokens")
     qa.plot_running(ok, a.out + ".png", f"{a.model} · streaming QA · {pc.label}")
@@ -195,7 +195,7 @@ def _eval_passkey(a, cfg, params, tok, pc) -> dict:
     report = None if a.quiet else (
         lambda n, d, acc: print(f"  {n} tokens, depth {d:.2f}: {acc:.2f}", flush=True))
     grid = passkey.passkey_grid(params, cfg, tok.encode, pc, a.lengths_list, a.depths_list,
-                                a.trials, a.seed, report)
+                                a.trials, a.seed, report, a.chunk)
     print(f"passkey {pc.label}: mean accuracy {grid.mean():.3f}")
     passkey.plot_heatmap(grid, a.lengths_list, a.depths_list, a.out + ".png",
                          f"{a.model} · passkey · {pc.label}")
@@ -219,7 +219,7 @@ def cmd_eval(a) -> None:
     else:
         pc = policy(a)
         check_streamable(cfg, pc)
-        result.update(method=pc.method, sinks=pc.sinks, cache=pc.cache)
+        result.update(method=pc.name, sinks=pc.sinks, cache=pc.cache)
         run = {"streameval": _eval_streameval, "qa": _eval_qa, "passkey": _eval_passkey}[a.task]
         result.update(run(a, cfg, params, tok, pc))
     print(f"wrote {a.out}.png")

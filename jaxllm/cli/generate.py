@@ -5,9 +5,9 @@ import sys
 
 
 from ..argtypes import COUNT, SIZE, real
-from .common import (CliError, DEFAULT_MODEL, MODEL_HELP, add_evict_args, add_kv_args,
-                     add_kv_dtype_arg, add_weights_arg, check_streamable, evict_budgets, evict_kv,
-                     flag_names, load, seed_int)
+from ..policy import METHODS, Dense
+from .common import (CliError, DEFAULT_MODEL, MODEL_HELP, add_policy_args, add_weights_arg,
+                     check_streamable, flag_names, load, policy, seed_int)
 
 
 def add_generate(sub) -> None:
@@ -22,17 +22,13 @@ def add_generate(sub) -> None:
                    help="sample from the k most likely tokens only (0: no limit)")
     p.add_argument("--top-p", type=real(0.0, 1.0, lo_open=True), default=1.0,
                    help="nucleus sampling: the smallest set of tokens with this much probability")
-    p.add_argument("--method", default="streaming", choices=["streaming", "h2o", "qhitter"],
-                   help="cache policy: StreamingLLM (sinks + window), or score-based eviction")
-    p.add_argument("--sinks", type=SIZE, default=4, help="sink tokens kept in the cache")
-    p.add_argument("--cache", type=COUNT, default=1024, help="cache size = sinks + window")
     p.add_argument("--seed", type=seed_int, default=0, help="random seed for sampling")
     p.add_argument("--chat", action="store_true",
                    help="each --prompt is a question to the model in its chat template; the "
                         "rounds share one cache, and each prints its answer and the cache's fill")
-    add_kv_args(p)
-    add_kv_dtype_arg(p)
-    add_evict_args(p)
+    # A cache that streams: generation runs past any fixed length.
+    add_policy_args(p, methods=[m for m, c in METHODS.items() if c.keeps_cache and c.streams],
+                    chunk=False)
     add_weights_arg(p)
     p.set_defaults(fn=cmd_generate)
 
@@ -42,25 +38,24 @@ def cmd_generate(a) -> None:
     import jax.numpy as jnp
 
     from ..generate import SamplingConfig, generate
-    from ..policy import CachePolicy, can_stream
-    if a.sinks < 0 or a.cache <= a.sinks:
-        raise CliError(f"--cache {a.cache} must exceed --sinks {a.sinks} (>= 0): the window "
-                       f"(--cache - --sinks) holds the recent tokens")
+    from ..positions import can_stream
+    pc = policy(a)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
     try:
         sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                             top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)
-        pc = CachePolicy.of(a.method, a.sinks, a.cache, kv_quant=evict_kv(a),
-                            kv_dtype=a.kv_dtype, **evict_budgets(a))
         if not can_stream(cfg):
             if a.method != "streaming":
                 check_streamable(cfg, pc)  # position rolling needs RoPE or ALiBi: refuse
-            print(f"note: {cfg.family} cannot stream; using a dense cache of {a.cache} tokens",
+            print(f"note: {cfg.family} cannot stream; using a dense cache of {pc.cache} tokens",
                   file=sys.stderr)
-            pc = CachePolicy("dense", 0, a.cache, kv_quant=pc.kv_quant, kv_dtype=pc.kv_dtype)
-        # Fractional budgets are of the (first) prompt, as the authors' ratio of prompt length.
-        pc = pc.resolve(len(tok.encode(a.prompt[0])))
-        cache = pc.make_cache(cfg, 1, a.cache)
+            slots, pc = pc.cache, Dense(pc.storage)
+        else:
+            # Fractional budgets are of the (first) prompt, as the authors' ratio of its length.
+            pc = pc.resolve(len(tok.encode(a.prompt[0])))
+            slots = pc.cache
+        pc.check(cfg, slots)
+        cache = pc.make_cache(cfg, 1, slots)
     except ValueError as e:
         raise CliError(flag_names(e)) from None
     key = jax.random.key(a.seed)

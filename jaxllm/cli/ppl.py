@@ -42,7 +42,7 @@ def cmd_ppl(a) -> None:
     if len(ids) < 2:
         raise CliError("the text has fewer than 2 tokens: nothing to score")
     check_streamable(cfg, pc, len(ids))
-    nll, summary = run_ppl(params, cfg, ids, pc, progress=not a.quiet)
+    nll, summary = run_ppl(params, cfg, ids, pc, progress=not a.quiet, chunk=a.chunk)
     summary.update(model=a.model, text=a.text or "builtin")
     line = (f"{summary['label']}: ppl {summary['ppl']:.3f} over {summary['tokens_scored']} tokens, "
             f"{summary['tokens_per_s']:.0f} tok/s, peak RSS {summary['peak_rss_mb']:.0f} MiB")

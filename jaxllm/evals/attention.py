@@ -14,7 +14,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..model import apply
-from ..policy import with_sink
+from ..positions import with_sink
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -44,13 +44,14 @@ def exact_matches(hit: np.ndarray, spans) -> np.ndarray:
 
 
 def score_task(params, cfg: ModelConfig, task: Task, pc: CachePolicy,
-               progress: bool = False) -> np.ndarray:
+               progress: bool = False, chunk: int = 256) -> np.ndarray:
     """Exact match of every answer span of ``task`` streamed through ``pc``'s cache policy."""
     if not task.spans:
         raise ValueError("the task has no answers to score; make the stream longer")
     if task.spans[0][0] < 1:
         raise ValueError("an answer cannot start the stream: it needs a prefix")
-    _, hit = stream_score(params, cfg, task.ids, pc, progress, desc=f"eval {pc.method}")
+    _, hit = stream_score(params, cfg, task.ids, pc, progress, desc=f"eval {pc.name}",
+                          chunk=chunk)
     return exact_matches(hit, task.spans)
 
 

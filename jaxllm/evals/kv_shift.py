@@ -22,7 +22,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..kv.evict import Evict
 from ..kv.quantized import KVQuant
-from ..policy import CachePolicy
+from ..policy import H2O, KVStorage
 
 
 def _scores(params, cfg: ModelConfig, ids: np.ndarray, kv: KVQuant):
@@ -81,7 +81,7 @@ def kv_shift(params, cfg: ModelConfig, ids, bits=(8, 4, 3, 2), prompt: int = 512
         layers.append(row)
     ppl = {}
     for name, kv in specs.items():
-        pc = CachePolicy.of("h2o", kv_quant=kv, heavy=heavy, recent=recent).resolve(stream)
+        pc = H2O(heavy=heavy, recent=recent, storage=KVStorage(quant=kv)).resolve(stream)
         ppl[name] = float(np.exp(stream_nll(params, cfg, ids[:stream], pc).astype(
             np.float64).mean()))
     worst = min(bits)

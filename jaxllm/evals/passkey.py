@@ -38,7 +38,8 @@ def passkey_task(n_tokens: int, depth: float, key: str, encode) -> Task:
 
 def passkey_grid(params, cfg: ModelConfig, encode, pc: CachePolicy, lengths: Sequence[int],
                  depths: Sequence[float], trials: int = 5, seed: int = 0,
-                 report: Optional[Callable[[int, float, float], None]] = None) -> np.ndarray:
+                 report: Optional[Callable[[int, float, float], None]] = None,
+                 chunk: int = 256) -> np.ndarray:
     """Accuracy [len(lengths), len(depths)]: the share of ``trials`` random keys retrieved at
     each stream length and key depth (one stream per trial). ``report(n, depth, acc)`` is called
     after each cell (progress)."""
@@ -47,8 +48,8 @@ def passkey_grid(params, cfg: ModelConfig, encode, pc: CachePolicy, lengths: Seq
     for i, n in enumerate(lengths):
         for j, d in enumerate(depths):
             keys = [f"{k:05d}" for k in rng.integers(0, 100_000, trials)]
-            grid[i, j] = np.mean([score_task(params, cfg, passkey_task(n, d, k, encode), pc)[0]
-                                  for k in keys])
+            grid[i, j] = np.mean([score_task(params, cfg, passkey_task(n, d, k, encode), pc,
+                                             chunk=chunk)[0] for k in keys])
             if report:
                 report(n, d, grid[i, j])
     return grid

@@ -56,9 +56,9 @@ def configs(a) -> dict:
 def perplexity(params, cfg, text: np.ndarray, L: int, windows: int) -> float:
     """Mean NLL of every token of ``windows`` non-overlapping L-token windows of ``text``,
     each read with a plain causal forward (a learnable-sink model gets its sink first)."""
-    from jaxllm.policy import CachePolicy
+    from jaxllm.policy import Dense
     from jaxllm.ppl import stream_nll
-    nll = [stream_nll(params, cfg, text[i * L:(i + 1) * L], CachePolicy("dense", 0, L))
+    nll = [stream_nll(params, cfg, text[i * L:(i + 1) * L], Dense())
            for i in range(windows)]
     return float(np.exp(np.concatenate(nll).astype(np.float64).mean()))
 
@@ -85,7 +85,7 @@ def step_cost(cfg, run: str) -> dict:
 
 def evaluate(models: dict, text: np.ndarray, a) -> dict:
     from jaxllm.evals.passkey import passkey_grid
-    from jaxllm.policy import CachePolicy
+    from jaxllm.policy import Dense
     from jaxllm.tokenizer import ByteTokenizer
     Lc, Lt = a.lc, a.lc * a.factor
     lengths = sorted({Lc, 2 * Lc, 4 * Lc, Lt})
@@ -93,7 +93,7 @@ def evaluate(models: dict, text: np.ndarray, a) -> dict:
     out = {}
     for name, (cfg, params) in models.items():
         ppl = {L: perplexity(params, cfg, text, L, max(1, a.eval_tokens // L)) for L in lengths}
-        grid = passkey_grid(params, cfg, enc, CachePolicy("dense", 0, Lt), lengths,
+        grid = passkey_grid(params, cfg, enc, Dense(), lengths,
                             [0.0, 0.5, 1.0], a.trials, a.seed)
         out[name] = {"ppl": ppl, "passkey": dict(zip(lengths, grid.mean(1).tolist()))}
         print(f"{name}: " + " ".join(f"{L}: {p:.3f}" for L, p in ppl.items()), flush=True)

@@ -31,7 +31,8 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
     """Table 3 and the sink analysis on each variant's exported model and held-out text."""
     from jaxllm.evals.attention import attention_maps, plot_maps, sink_metric
     from jaxllm.io import load_model
-    from jaxllm.ppl import CachePolicy, stream_score
+    from jaxllm.policy import Recompute, StreamingLLM, Window
+    from jaxllm.ppl import stream_score
 
     from train.config import TrainConfig
     from train.loop import heldout_text
@@ -44,10 +45,10 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
         text = heldout_text(run, eval_tokens)
         row = {}
         for s in (0, 1, 2, 4):
-            pc = CachePolicy("window" if s == 0 else "streaming", s, window)
+            pc = Window(window) if s == 0 else StreamingLLM(s, window)
             nll = stream_score(params, cfg, text, pc, progress, desc=f"{v} {s}+{window - s}")[0]
             row[f"{s}+{window - s}"] = float(np.exp(nll.astype(np.float64).mean()))
-        nll = stream_score(params, cfg, text, CachePolicy("recompute", 4, window), progress,
+        nll = stream_score(params, cfg, text, Recompute(4, window), progress,
                            desc=f"{v} recompute")[0]
         row["recompute 4+"] = float(np.exp(nll.astype(np.float64).mean()))
         L = tc.seq_len

@@ -174,7 +174,8 @@ def test_qa_stream_and_jsonl(tmp_path):
 def test_outliers_report_follows_eq4(tmp_path):
     # Eq. 4 with alpha 0.5: s_j = sqrt(max|X_j| / max|W_j|), W the q, k and v kernels that share
     # the normalised input; smoothing divides X_j by s_j and multiplies W's row j by it.
-    from jaxllm.smoothquant import CalibConfig, outlier_report
+    from jaxllm.evals.outliers import outlier_report
+    from jaxllm.smoothquant import CalibConfig
     cfg, params, tok = jaxllm.load_model("random:pythia-tiny")
     ids = np.random.default_rng(0).integers(0, 256, 4000)
     r = outlier_report(params, cfg, ids, alpha=0.5, calib=CalibConfig(n_seqs=4, seq_len=64))

@@ -1,9 +1,6 @@
 """``jaxllm eval TASK``: StreamEval, passkey, QA, outliers, attention sinks, KV shift."""
 from __future__ import annotations
 
-
-import numpy as np
-
 from ..argtypes import COUNT, FRACTION, real
 from .common import (CliError, DEFAULT_MODEL, MODEL_HELP, add_keep_quantized_arg, add_policy_args,
                      alpha_value, check_files, check_streamable, flag_names, load, policy,
@@ -55,23 +52,12 @@ def _kv_shift_args(t) -> None:
     t.add_argument("--recent", type=FRACTION, default=0.1, help="recent share of the text (0.1)")
 
 
-def _eval_kv_shift(a, cfg, params, tok) -> dict:
+def _eval_kv_shift(a, cfg, params, tok):
     from ..corpus import builtin_corpus
-    from ..evals.kv_shift import kv_shift, plot_kv_shift
-    try:
-        bits = tuple(int(b) for b in a.bits.split(","))
-        rep = kv_shift(params, cfg, tok.encode(builtin_corpus()), bits, a.prompt_tokens,
-                       a.heavy, a.recent, a.stream_tokens)
-    except ValueError as e:
-        raise CliError(flag_names(e)) from None
-    for r in rep["layers"]:
-        print(f"layer {r['layer']}: overlap with float " + ", ".join(
-            f"{b}-bit {r[f'overlap_{b}-bit']:.2f}" for b in bits) +
-            f"; attention vs {min(bits)}-bit error, Spearman "
-            f"{r[f'spearman_{min(bits)}-bit']:+.2f}")
-    print("H2O ppl: " + ", ".join(f"{k} {v:.3f}" for k, v in rep["h2o_ppl"].items()))
-    plot_kv_shift(rep, a.out + ".png", f"{a.model}: heavy hitters under KV quantization")
-    return rep
+    from ..evals.kv_shift import report
+    bits = tuple(int(b) for b in a.bits.split(","))
+    return report(params, cfg, tok.encode(builtin_corpus()), a.out + ".png", a.model, bits,
+                  a.prompt_tokens, a.heavy, a.recent, a.stream_tokens)
 
 
 EVAL_TASKS = {  # name: (help, its own options)
@@ -130,77 +116,47 @@ def _check_eval_args(a) -> None:
                                                       f"{a.depths}")
 
 
-def _eval_outliers(a, cfg, params, tok) -> dict:
+def _eval_outliers(a, cfg, params, tok):
     from ..corpus import builtin_corpus
-    from ..smoothquant import CalibConfig, outlier_report, plot_outliers
-    try:
-        rep = outlier_report(params, cfg, tok.encode(builtin_corpus()), a.layer,
-                             None if a.alpha is None else alpha_value(a.alpha, "--alpha"),
-                             CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len))
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    print(f"{rep['layer']}: activation max/median per channel "
-          f"{rep['act_max_over_median_before']:.1f} before smoothing, "
-          f"{rep['act_max_over_median_after']:.1f} after (alpha {rep['alpha']})")
-    plot_outliers(rep, a.out + ".png", a.model)
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in rep.items()}
+    from ..evals.outliers import report
+    from ..smoothquant import CalibConfig
+    return report(params, cfg, tok.encode(builtin_corpus()), a.out + ".png", a.model, a.layer,
+                  None if a.alpha is None else alpha_value(a.alpha, "--alpha"),
+                  CalibConfig(n_seqs=a.n_seqs, seq_len=a.seq_len))
 
 
-def _eval_sinks(a, cfg, params, tok) -> dict:
+def _eval_sinks(a, cfg, params, tok):
     from ..corpus import builtin_corpus
-    from ..evals import attention as att
-    try:
-        maps, result = att.sink_report(params, cfg, tok.encode(builtin_corpus()), a.n,
-                                       a.seq_len, a.eps, a.seed)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    print(f"sink metric (share of heads with mean attention to token 0 > {a.eps}): "
-          f"{result['overall']:.2f}; per layer " + " ".join(f"{x:.2f}" for x in result["per_layer"]))
-    att.plot_maps(maps, a.out + ".png", f"{a.model}: attention over the first 16 tokens, "
-                  f"sink metric {result['overall']:.2f}")
-    return result
+    from ..evals.attention import report
+    return report(params, cfg, tok.encode(builtin_corpus()), a.out + ".png", a.model, a.n,
+                  a.seq_len, a.eps, a.seed)
 
 
-def _eval_streameval(a, cfg, params, tok, pc) -> dict:
-    from ..evals import streameval
-    from ..evals.common import score_task
-    task = streameval.streameval_task(a.lines, tok.encode, a.seed)
-    ok = score_task(params, cfg, task, pc, progress=not a.quiet, chunk=a.chunk)
-    rows = streameval.accuracy_by_length(task, ok, a.bucket)
-    print(f"StreamEval {pc.label}: accuracy {ok.mean():.3f} over {len(ok)} queries, "
-          f"{len(task.ids)} tokens")
-    streameval.plot_accuracy(rows, a.out + ".png", f"{a.model} · StreamEval · {pc.label}")
-    return dict(tokens=int(len(task.ids)), queries=len(ok), accuracy=float(ok.mean()),
-                by_length=rows)
+def _eval_streameval(a, cfg, params, tok, pc):
+    from ..evals.streameval import report
+    return report(params, cfg, tok.encode, pc, a.out + ".png", a.model, a.lines, a.bucket,
+                  a.seed, not a.quiet, a.chunk)
 
 
-def _eval_qa(a, cfg, params, tok, pc) -> dict:
+def _eval_qa(a, cfg, params, tok, pc):
     from ..evals import qa
-    from ..evals.common import score_task
     try:
         records = qa.read_jsonl(a.data) if a.data else qa.SAMPLE * a.repeat
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise CliError(str(e)) from None
-    task = qa.qa_task(records, tok.encode)
-    ok = score_task(params, cfg, task, pc, progress=not a.quiet, chunk=a.chunk)
-    print(f"streaming QA {pc.label}: exact match {ok.mean():.3f} over {len(ok)} answers, "
-          f"{len(task.ids)} tokens")
-    qa.plot_running(ok, a.out + ".png", f"{a.model} · streaming QA · {pc.label}")
-    return dict(data=a.data or "sample", records=len(ok), tokens=int(len(task.ids)),
-                accuracy=float(ok.mean()), correct=[bool(x) for x in ok])
+    return qa.report(params, cfg, tok.encode, pc, a.out + ".png", a.model, records,
+                     a.data or "sample", not a.quiet, a.chunk)
 
 
-def _eval_passkey(a, cfg, params, tok, pc) -> dict:
-    from ..evals import passkey
-    report = None if a.quiet else (
+def _eval_passkey(a, cfg, params, tok, pc):
+    from ..evals.passkey import report
+    on_cell = None if a.quiet else (
         lambda n, d, acc: print(f"  {n} tokens, depth {d:.2f}: {acc:.2f}", flush=True))
-    grid = passkey.passkey_grid(params, cfg, tok.encode, pc, a.lengths_list, a.depths_list,
-                                a.trials, a.seed, report, a.chunk)
-    print(f"passkey {pc.label}: mean accuracy {grid.mean():.3f}")
-    passkey.plot_heatmap(grid, a.lengths_list, a.depths_list, a.out + ".png",
-                         f"{a.model} · passkey · {pc.label}")
-    return dict(lengths=a.lengths_list, depths=a.depths_list, trials=a.trials,
-                accuracy=grid.tolist(), mean=float(grid.mean()))
+    return report(params, cfg, tok.encode, pc, a.out + ".png", a.model, a.lengths_list,
+                  a.depths_list, a.trials, a.seed, on_cell, a.chunk)
+
+
+STREAMED = {"streameval": _eval_streameval, "qa": _eval_qa, "passkey": _eval_passkey}
 
 
 def cmd_eval(a) -> None:
@@ -211,16 +167,18 @@ def cmd_eval(a) -> None:
     srcs = sources(a.model) + [p for p in (getattr(a, "data", None),) if p]
     check_files({"--out (.json)": a.out + ".json", "--out (.png)": a.out + ".png"}, srcs)
     cfg, params, tok = load(a.model, keep_quantized=a.keep_quantized)
-    result = {"model": a.model, "task": a.task}
-    if a.task in ("outliers", "sinks", "kv-shift"):
-        run = {"outliers": _eval_outliers, "sinks": _eval_sinks,
-               "kv-shift": _eval_kv_shift}[a.task]
-        result.update(run(a, cfg, params, tok))
-    else:
-        pc = policy(a)
-        check_streamable(cfg, pc)
-        result.update(method=pc.name, sinks=pc.sinks, cache=pc.cache)
-        run = {"streameval": _eval_streameval, "qa": _eval_qa, "passkey": _eval_passkey}[a.task]
-        result.update(run(a, cfg, params, tok, pc))
+    try:
+        if a.task in STREAMED:
+            pc = policy(a)
+            check_streamable(cfg, pc)
+            rep = STREAMED[a.task](a, cfg, params, tok, pc)
+        else:
+            rep = {"outliers": _eval_outliers, "sinks": _eval_sinks,
+                   "kv-shift": _eval_kv_shift}[a.task](a, cfg, params, tok)
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
+    for line in rep.lines:
+        print(line)
+    result = {"model": a.model, "task": a.task, **rep.result}
     print(f"wrote {a.out}.png")
     write_json(a.out + ".json", result, srcs)

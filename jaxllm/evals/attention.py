@@ -15,6 +15,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model import apply
 from ..positions import with_sink
+from .common import Report
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -81,3 +82,15 @@ def plot_maps(maps: np.ndarray, path: str, title: str, n: int = 16) -> None:
             ax.set_title(f"layer {i}", fontsize=9)
             ax.set_xticks([])
             ax.set_yticks([])
+
+
+def report(params, cfg: ModelConfig, ids, png: str, title: str, n: int = 16, seq_len: int = 256,
+           eps: float = 0.3, seed: int = 0) -> Report:
+    """The sink metric of ``n`` random ``seq_len``-token windows of ``ids`` per layer, and their
+    attention over the first 16 tokens plotted at ``png``."""
+    maps, result = sink_report(params, cfg, ids, n, seq_len, eps, seed)
+    plot_maps(maps, png, f"{title}: attention over the first 16 tokens, sink metric "
+                         f"{result['overall']:.2f}")
+    return Report([f"sink metric (share of heads with mean attention to token 0 > {eps}): "
+                   f"{result['overall']:.2f}; per layer "
+                   + " ".join(f"{x:.2f}" for x in result["per_layer"])], result)

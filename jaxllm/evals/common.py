@@ -3,13 +3,27 @@ policy and checks each span by exact match."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..policy import CachePolicy
 from ..ppl import stream_score
+
+
+class Report(NamedTuple):
+    """What an evaluation reports, beside the figure it wrote: ``lines`` for the terminal and
+    ``result``, the numbers for its JSON."""
+
+    lines: list
+    result: dict
+
+
+def policy_result(pc: CachePolicy) -> dict:
+    """The policy a streamed evaluation ran through, for its JSON."""
+    return {"method": pc.name, "label": pc.label, "sinks": pc.sinks,
+            "cache": getattr(pc, "cache", None)}
 
 
 @dataclasses.dataclass

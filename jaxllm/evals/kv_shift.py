@@ -23,6 +23,7 @@ from ..config import ModelConfig
 from ..kv.evict import Evict
 from ..kv.quantized import KVQuant
 from ..policy import H2O, KVStorage
+from .common import Report
 
 
 def _scores(params, cfg: ModelConfig, ids: np.ndarray, kv: KVQuant):
@@ -110,3 +111,18 @@ def plot_kv_shift(rep: dict, path: str, title: str) -> None:
         a2.set_xscale("log")
         a2.set_xlabel("accumulated attention (layer 0)")
         a2.set_ylabel(f"{s['bits']}-bit quantization error (L2)")
+
+
+def report(params, cfg: ModelConfig, ids, png: str, title: str, bits=(8, 4, 3, 2),
+           prompt: int = 512, heavy: float = 0.1, recent: float = 0.1,
+           stream: int = 2048) -> Report:
+    """:func:`kv_shift` with a line per layer and the figure at ``png``."""
+    rep = kv_shift(params, cfg, ids, bits, prompt, heavy, recent, stream)
+    worst = min(bits)
+    lines = [f"layer {r['layer']}: overlap with float " + ", ".join(
+        f"{b}-bit {r[f'overlap_{b}-bit']:.2f}" for b in bits) +
+        f"; attention vs {worst}-bit error, Spearman {r[f'spearman_{worst}-bit']:+.2f}"
+        for r in rep["layers"]]
+    lines.append("H2O ppl: " + ", ".join(f"{k} {v:.3f}" for k, v in rep["h2o_ppl"].items()))
+    plot_kv_shift(rep, png, f"{title}: heavy hitters under KV quantization")
+    return Report(lines, rep)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..policy import CachePolicy
-from .common import Task, build, score_task
+from .common import Report, Task, build, policy_result, score_task
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
         "memorize them. I will quiz you about the important information there. ")
@@ -68,3 +68,15 @@ def plot_heatmap(grid, lengths, depths, path: str, title: str) -> None:
             for j in range(len(depths)):
                 ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
         ax.figure.colorbar(im, ax=ax, label="accuracy")
+
+
+def report(params, cfg: ModelConfig, encode, pc: CachePolicy, png: str, title: str,
+           lengths: Sequence[int], depths: Sequence[float], trials: int = 5, seed: int = 0,
+           on_cell: Optional[Callable[[int, float, float], None]] = None,
+           chunk: int = 256) -> Report:
+    """Passkey retrieval through ``pc`` by stream length and key depth, the heatmap at ``png``."""
+    grid = passkey_grid(params, cfg, encode, pc, lengths, depths, trials, seed, on_cell, chunk)
+    plot_heatmap(grid, lengths, depths, png, f"{title} · passkey · {pc.label}")
+    return Report([f"passkey {pc.label}: mean accuracy {grid.mean():.3f}"],
+                  dict(policy_result(pc), lengths=list(lengths), depths=list(depths),
+                       trials=trials, accuracy=grid.tolist(), mean=float(grid.mean())))

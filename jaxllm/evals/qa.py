@@ -7,7 +7,9 @@ import json
 
 import numpy as np
 
-from .common import Task, build, plot_accuracy_curve
+from ..config import ModelConfig
+from ..policy import CachePolicy
+from .common import Report, Task, build, plot_accuracy_curve, policy_result, score_task
 
 SAMPLE = [
     {"question": "What colour is the sky on a clear day?", "choices": ["green", "blue", "red"],
@@ -65,3 +67,17 @@ def plot_running(correct, path: str, title: str) -> None:
     n = np.arange(1, len(c) + 1)
     plot_accuracy_curve(n, np.cumsum(c) / n, "answer # in the stream", "running exact match",
                         path, title)
+
+
+def report(params, cfg: ModelConfig, encode, pc: CachePolicy, png: str, title: str,
+           records: list[dict], data: str = "sample", progress: bool = False,
+           chunk: int = 256) -> Report:
+    """Streaming QA of ``records`` (read from ``data``) through ``pc``: exact match per answer,
+    the running accuracy plotted at ``png``."""
+    task = qa_task(records, encode)
+    ok = score_task(params, cfg, task, pc, progress, chunk)
+    plot_running(ok, png, f"{title} · streaming QA · {pc.label}")
+    return Report([f"streaming QA {pc.label}: exact match {ok.mean():.3f} over {len(ok)} "
+                   f"answers, {len(task.ids)} tokens"],
+                  dict(policy_result(pc), data=data, records=len(ok), tokens=int(len(task.ids)),
+                       accuracy=float(ok.mean()), correct=[bool(x) for x in ok]))

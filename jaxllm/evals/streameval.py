@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import Task, build, plot_accuracy_curve
+from ..config import ModelConfig
+from ..policy import CachePolicy
+from .common import Report, Task, build, plot_accuracy_curve, policy_result, score_task
 
 LINE = "The REGISTER_CONTENT in line {i} is <{value}>.\n"
 
@@ -44,3 +46,17 @@ def plot_accuracy(rows: list[dict], path: str, title: str) -> None:
     """Exact-match accuracy against input length (Fig. 9)."""
     plot_accuracy_curve([r["end"] for r in rows], [r["accuracy"] for r in rows],
                         "input length (tokens)", "exact-match accuracy", path, title)
+
+
+def report(params, cfg: ModelConfig, encode, pc: CachePolicy, png: str, title: str,
+           n_lines: int = 400, bucket: int = 2000, seed: int = 0, progress: bool = False,
+           chunk: int = 256) -> Report:
+    """StreamEval through ``pc``: accuracy per ``bucket`` tokens of input, plotted at ``png``."""
+    task = streameval_task(n_lines, encode, seed)
+    ok = score_task(params, cfg, task, pc, progress, chunk)
+    rows = accuracy_by_length(task, ok, bucket)
+    plot_accuracy(rows, png, f"{title} · StreamEval · {pc.label}")
+    return Report([f"StreamEval {pc.label}: accuracy {ok.mean():.3f} over {len(ok)} queries, "
+                   f"{len(task.ids)} tokens"],
+                  dict(policy_result(pc), tokens=int(len(task.ids)), queries=len(ok),
+                       accuracy=float(ok.mean()), by_length=rows))

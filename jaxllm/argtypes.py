@@ -68,6 +68,26 @@ class real:
         return f"real{self.range()}"
 
 
+class budget:
+    """A budget of tokens: a count (an integer >= 0) or a fraction in (0, 1) of the text."""
+
+    __name__ = "budget"
+
+    def __call__(self, text: str) -> float:
+        try:
+            x = float(text)
+        except (ValueError, TypeError):
+            x = math.nan
+        if not math.isfinite(x) or x < 0 or (x != int(x) and not 0 < x < 1) or x > INT32_MAX:
+            raise argparse.ArgumentTypeError(f"expected a count (integer >= 0) or a fraction in "
+                                             f"(0, 1), got {text!r}")
+        return x
+
+    def __repr__(self) -> str:
+        return "budget"
+
+
 COUNT = integer(1)  # how many of something: at least one
 SIZE = integer(0)  # a size or budget where 0 means none (or all, as the flag says)
 FRACTION = real(0.0, 1.0)
+BUDGET = budget()

@@ -9,7 +9,7 @@ import sys
 from typing import Optional
 
 
-from ..argtypes import COUNT, FRACTION, SIZE, integer
+from ..argtypes import COUNT, SIZE, integer
 
 DEFAULT_MODEL = "smollm2"
 RANDOM_NOTE = ("note: {model} has random weights, so its perplexities and text are noise; "
@@ -48,13 +48,21 @@ def run(parser: argparse.ArgumentParser, argv, prefix, errors=(ValueError,),
     return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless it has none (None: the help says what
+    leaving it out does)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """An argument parser whose help shows every option's default and whose errors are one
     line (a CliError naming the command and the flag, no usage block; subcommands inherit
     both)."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _Help)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
@@ -144,9 +152,10 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
 def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024, methods=None,
                     chunk: bool = True) -> None:
     """--method (one of ``methods``, default every jaxllm.policy.METHODS), --sinks, --cache
-    (default ``cache`` for the methods that have one), --chunk, and the KV and eviction flags.
+    (default ``cache`` for the methods that have one), --chunk, the KV flags, and a flag for
+    each method's own settings (jaxllm.policy.setting), grouped by the methods that take it.
     Settings left out take the method's own defaults; one it does not have is refused."""
-    from ..policy import METHODS
+    from ..policy import METHODS, own_settings
     methods = list(methods or METHODS)
     p.add_argument("--method", default="streaming",
                    help=f"cache policy: {' | '.join(methods)}")
@@ -160,34 +169,14 @@ def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024, methods=None,
         p.add_argument("--chunk", type=COUNT, default=256, help="tokens per forward call")
     add_kv_args(p)
     add_kv_dtype_arg(p)
-    add_evict_args(p)
-
-
-def _budget(s: str) -> float:
-    """A budget: a count (integer) or a fraction of the text in (0, 1)."""
-    try:
-        x = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count or a fraction in (0, 1), got {s!r}")
-    if x < 0 or (x != int(x) and not 0 < x < 1):
-        raise argparse.ArgumentTypeError(f"expected a count (integer >= 0) or a fraction in "
-                                         f"(0, 1), got {s!r}")
-    return x
-
-
-def add_evict_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("h2o / qhitter (score-based eviction)")
-    g.add_argument("--heavy", type=_budget, default=None,
-                   help="heavy-hitter slots: a count, or a fraction of the text/prompt (0.1 = "
-                        "10%%); default: half (h2o) or 3/4 (qhitter) of --cache minus --sinks")
-    g.add_argument("--recent", type=_budget, default=None,
-                   help="most recent tokens kept, count or fraction (default: the rest)")
-    g.add_argument("--heavy-attn", type=_budget, default=None,
-                   help="qhitter: heavy slots chosen by attention alone (default 7/15 of "
-                        "--heavy, the authors' 7%% of 15%%)")
-    g.add_argument("--lam", type=FRACTION, default=None,
-                   help="qhitter: λ, attention's weight against quantization error (1 = H2O; "
-                        "default 0.5)")
+    groups: dict = {}
+    for name, (f, takers) in own_settings(methods).items():
+        if tuple(takers) not in groups:
+            groups[tuple(takers)] = p.add_argument_group(f"--method {' or '.join(takers)}")
+        default = "" if f.default is None else f" (default {f.default:g})"
+        groups[tuple(takers)].add_argument(
+            "--" + name.replace("_", "-"), type=f.metadata["kind"], default=None,
+            help=f.metadata["help"].replace("%", "%%") + default)
 
 
 KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in full precision): "
@@ -241,11 +230,15 @@ def seed_int(text: str) -> int:
     return v
 
 
-# The flags of the settings library errors name (jaxllm.errors.SettingError.params).
-FLAGS = {"kv_bits": "--kv-bits", "kv_group": "--kv-group", "kv_residual": "--kv-residual",
-         "heavy_attn": "--heavy-attn", "lam": "--lam", "method": "--method", "cache": "--cache",
-         "sinks": "--sinks", "heavy": "--heavy", "recent": "--recent", "kv_quant": "--kv-quant",
-         "kv_dtype": "--kv-dtype", "keep_quantized": "--keep-quantized"}
+class _FlagNames(dict):
+    """Every setting a library error names (jaxllm.errors.SettingError), spelled as its flag:
+    kv_bits is --kv-bits."""
+
+    def get(self, name, default=None):
+        return "--" + name.replace("_", "-")
+
+
+FLAGS = _FlagNames()
 
 
 def flag_names(e: Exception) -> str:
@@ -257,12 +250,11 @@ def flag_names(e: Exception) -> str:
 def policy(a):
     """The cache policy of --method/--sinks/--cache, the eviction budgets and the --kv-* flags
     (jaxllm.policy.policy_of: a flag the method does not take is refused by name)."""
-    from ..policy import METHODS, policy_of
+    from ..policy import METHODS, own_settings, policy_of
     if a.method not in a.methods:
         raise CliError(f"unknown --method {a.method!r}; choose one of {', '.join(a.methods)}")
     cls = METHODS[a.method]
-    settings = dict(sinks=a.sinks, cache=a.cache, heavy=a.heavy, recent=a.recent,
-                    heavy_attn=a.heavy_attn, lam=a.lam)
+    settings = {k: getattr(a, k) for k in ("sinks", "cache", *own_settings(a.methods))}
     if a.cache is None and "cache" in cls.__dataclass_fields__:
         settings["cache"] = a.cache_default
     try:

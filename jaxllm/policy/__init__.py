@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import P, SettingError
-from .base import KV_DTYPES, CachePolicy, KVStorage
+from .base import KV_DTYPES, CachePolicy, KVStorage, setting
 from .dense import Dense
 from .recompute import Recompute
 from .scored import H2O, QHITTER_KV, QHitter
@@ -32,7 +32,19 @@ METHODS: dict[str, type[CachePolicy]] = {
     p.name: p for p in (Dense, Window, StreamingLLM, Recompute, H2O, QHitter)}
 
 __all__ = ["CachePolicy", "Dense", "H2O", "KVStorage", "KV_DTYPES", "METHODS", "QHITTER_KV",
-           "QHitter", "Recompute", "StreamingLLM", "Window", "policy_of"]
+           "QHitter", "Recompute", "StreamingLLM", "Window", "own_settings", "policy_of",
+           "setting"]
+
+
+def own_settings(methods=None) -> dict:
+    """The settings of ``methods`` (default all) declared with :func:`setting`, which the
+    command line offers as flags: name -> (the field, the methods that have it)."""
+    out: dict = {}
+    for m in methods or METHODS:
+        for f in dataclasses.fields(METHODS[m]):
+            if "help" in f.metadata:
+                out.setdefault(f.name, (f, []))[1].append(m)
+    return out
 
 
 def policy_of(method: str, *, kv_quant=None, kv_dtype=None, **settings) -> CachePolicy:

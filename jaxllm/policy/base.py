@@ -7,6 +7,7 @@ from typing import ClassVar, Optional
 
 import jax.numpy as jnp
 
+from ..argtypes import BUDGET, FRACTION
 from ..config import ModelConfig
 from ..errors import P, SettingError
 from ..kv.cache import KVCache, init_cache
@@ -14,6 +15,13 @@ from ..kv.quantized import KVQuant
 from ..positions import check_positions
 
 KV_DTYPES = ("float32", "bfloat16", "float16")
+KINDS = {"budget": BUDGET, "fraction": FRACTION}  # how the command line reads a setting
+
+
+def setting(default, kind: str, help: str):
+    """A method's own setting: a dataclass field the command line offers as ``--NAME``
+    (``kind``: a key of KINDS; ``help``: its help line)."""
+    return dataclasses.field(default=default, metadata={"kind": KINDS[kind], "help": help})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +58,8 @@ class CachePolicy:
     streams: ClassVar[bool] = True  # renumbers tokens by their place in the cache
     stepwise: ClassVar[bool] = False  # decides what to keep after every token
     keeps_cache: ClassVar[bool] = True  # False: re-runs the model on every window
-    sinks: int = 0
-    cache: int = 1024
-    storage: Optional[KVStorage] = KVStorage()
+    sinks: int = 0  # the variants without a sinks field keep none
+    storage: Optional[KVStorage] = None  # the variants that keep a cache declare theirs
 
     def _check_slots(self) -> None:
         """A window of at least one token beside ``sinks >= 0`` initial tokens."""

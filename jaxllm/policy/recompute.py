@@ -23,7 +23,6 @@ class Recompute(CachePolicy):
     title = "recompute"
     streams = False
     keeps_cache = False
-    storage = None
 
     def __post_init__(self):
         self._check_slots()

@@ -15,7 +15,7 @@ from ..errors import P, SettingError
 from ..kv.cache import KVCache, init_cache
 from ..kv.evict import Evict
 from ..kv.quantized import KVQuant
-from .base import CachePolicy, KVStorage
+from .base import CachePolicy, KVStorage, setting
 
 QHITTER_KV = KVQuant("token", bits=4, group=0)  # the authors' quantizer: 4 bits, whole head
 
@@ -27,8 +27,11 @@ class H2O(CachePolicy):
 
     sinks: int = 0  # the H2O and Q-Hitter authors keep none
     cache: int = 1024
-    heavy: Optional[float] = None
-    recent: Optional[float] = None
+    heavy: Optional[float] = setting(
+        None, "budget", "heavy-hitter slots: a count, or a fraction of the text/prompt (0.1 = "
+        "10%); default: half (h2o) or 3/4 (qhitter) of the slots beside the sinks")
+    recent: Optional[float] = setting(
+        None, "budget", "most recent tokens kept, count or fraction (default: the rest)")
     storage: KVStorage = KVStorage()
     name = "h2o"
     title = "H2O"
@@ -123,8 +126,11 @@ class QHitter(H2O):
     budgets the non-sink slots split 3:1 (the authors' 15% + 5%), 7/15 of the heavy ones by
     attention alone (``heavy_attn``)."""
 
-    heavy_attn: Optional[float] = None
-    lam: float = 0.5
+    heavy_attn: Optional[float] = setting(
+        None, "budget", "heavy slots chosen by attention alone (default 7/15 of the heavy "
+        "ones, the authors' 7% of 15%)")
+    lam: float = setting(0.5, "fraction", "λ, attention's weight against quantization error "
+                         "(1 = H2O)")
     storage: KVStorage = KVStorage(quant=QHITTER_KV)
     name = "qhitter"
     title = "Q-Hitter"

@@ -1,5 +1,5 @@
 """The attention-sink cache against independent references: the naive list cache of the
-authors' eval loop (tests/reference.py), the plain forward on the kept tokens, and the write-index
+authors' eval loop (tests/naive.py), the plain forward on the kept tokens, and the write-index
 formula of the issue computed with Python integers."""
 import dataclasses
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import LLAMA, NEOX, backend_compiles
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import NaiveStream, _rope, naive_logits
+from naive import NaiveStream, _rope, naive_logits
 
 import jaxllm
 import pallas_kernels.cpu

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import NaiveStream
+from naive import NaiveStream
 
 torch = pytest.importorskip("torch")
 import transformers as tf  # noqa: E402
@@ -292,7 +292,7 @@ def test_unsupported_export_is_refused():
                                   "mpt-6heads-clip"])
 def test_streaming_converted_model_matches_naive_cache(name, saved):
     """Two layers, chunked and padded: StreamingLLM on the converted model against the naive
-    numpy list cache (tests/reference.py) that re-positions the kept tokens every step."""
+    numpy list cache (tests/naive.py) that re-positions the kept tokens every step."""
     model, d = saved(name)
     cfg, params = convert.from_hf(d)
     S, W, C = 2, 5, 6

@@ -1,6 +1,6 @@
 """H2O and Q-Hitter (jaxllm.kv.evict) against independent references: a numpy port of the H2O
 authors' layer-wise cache fed attention tensors directly (docs/METHODS.md §4), hand-built
-Q-Hitter cases (§2 "Test"), the naive list cache of tests/reference.py implementing the same
+Q-Hitter cases (§2 "Test"), the naive list cache of tests/naive.py implementing the same
 policy token by token, the full-attention forward for a prompt fed in one chunk, and StreamingLLM
 (H2O without heavy hitters is a sink + window cache)."""
 import dataclasses
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from conftest import LLAMA, NEOX, backend_compiles
-from reference import NaiveEvictStream
+from naive import NaiveEvictStream
 
 import jaxllm
 from jaxllm.kv import evict

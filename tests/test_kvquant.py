@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import backend_compiles
-from reference import NaiveStream
+from naive import NaiveStream
 
 import jaxllm
 from jaxllm.kv import quantized as kq

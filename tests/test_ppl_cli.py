@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import NEOX
-from reference import NaiveStream, rounded_weights
+from naive import NaiveStream, rounded_weights
 
 import jaxllm
 from jaxllm.cli import main

@@ -141,7 +141,7 @@ def test_positions_shift_invariance_and_errors():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from train.pose import draw, pose_sample  # noqa: E402
+from train.pose_sampling import draw, pose_sample  # noqa: E402
 
 
 def np_pose(ids, Lc, rt1, rt2, rt):

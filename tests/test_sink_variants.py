@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import LLAMA, NEOX
-from reference import naive_logits
+from naive import naive_logits
 
 import jaxllm
 from jaxllm import tree

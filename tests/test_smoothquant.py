@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import LLAMA, NEOX
-from reference import rounded_weights
+from naive import rounded_weights
 
 import jaxllm
 from jaxllm import bits, quant, tree, weight_only
@@ -76,7 +76,7 @@ def test_smoothing_factor_is_the_papers_formula():
 
 
 def test_calibration_maxima_match_a_numpy_forward():
-    from reference import _norm, _np
+    from naive import _norm, _np
     cfg = dataclasses.replace(LLAMA, num_layers=1)
     params = jaxllm.init_params(cfg, jax.random.key(3))
     toks = IDS[:256].reshape(4, 64)

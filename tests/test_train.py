@@ -245,7 +245,7 @@ def test_stop_and_resume_reproduces_losses_exactly(uninterrupted, tmp_path):
 def test_pose_run_resumes_exactly(tmp_path):
     """PoSE (--pose 256 at seq_len 32): samples at skipping positions up to 256, redrawn the
     same after a stop, so a resumed run reproduces the uninterrupted one's losses bit-exactly."""
-    from train.pose import pose_batch
+    from train.pose_sampling import pose_batch
     cfg = recipe("tiny", TINY + ["pose_target=256", "steps=8"])
     full = str(tmp_path / "full")
     train(cfg, full, progress=False)

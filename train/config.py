@@ -42,7 +42,7 @@ class TrainConfig:
     keep: int = 3  # checkpoints kept
     sink_eval_every: int = 0  # >0: sink metric and window/streaming ppl on held-out text
     peak_tflops: float = 0.0  # per device, for MFU; 0: look the device up (unknown -> no MFU)
-    # PoSE (train.pose): > 0 trains seq_len-token samples whose position ids skip up to this
+    # PoSE (train.pose_sampling): > 0 trains seq_len-token samples whose position ids skip up to this
     # target length; each sample is drawn from pose_span x seq_len tokens of text (the
     # authors' 5 x Lc).
     pose_target: int = 0

@@ -20,7 +20,7 @@ from . import data as data_lib
 from . import sharding as shd
 from .checkpoint import Checkpoints
 from .config import TrainConfig
-from .pose import pose_batch
+from .pose_sampling import pose_batch
 from .step import compile_step, flops_per_token, init_state, optimizer, peak_tflops
 
 CONFIG_FILE, METRICS_FILE = "train_config.json", "metrics.jsonl"

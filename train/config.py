@@ -30,7 +30,10 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute; master weights stay float32
+    # The training step's compute dtype (mixed precision; master weights stay float32). Not a
+    # copy of model.dtype: that is the saved model's compute dtype for inference, which the
+    # evaluations run in (float32 for every recipe here), whatever the step computed in.
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
     seed: int = 0
     data: str = "builtin"  # see train.data.SOURCES
     tokenizer: str = "byte"

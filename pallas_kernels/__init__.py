@@ -8,13 +8,14 @@
 * CPU: ``cpu`` and ``csrc/`` (hand-written C++ FFI kernels for AVX-512 CPUs: few-row int8
   products, decode attention), built on first use, XLA's forms where they are not available.
 
-This module dispatches the INT8 products by backend: ``w8a8_matmul``, ``quantize_per_token`` (optionally fused with LayerNorm/RMSNorm) and
-``int8_bmm`` pick the Pallas kernel on GPU (Triton lowering) and TPU (Mosaic), ``cpu`` on CPUs
-and the pure-jnp reference (XLA) elsewhere. ``cpu`` is XLA's too, except the few-row products
-(decode) of ``w8a8_matmul`` and ``w8a8_matmul_per_token`` on a CPU with AVX-512 VNNI: those go
-to a hand-written FFI kernel (:mod:`pallas_kernels.cpu`; exact, the same int32 sums). Override
-with ``backend=`` (``xla`` | ``cpu`` | ``triton`` | ``tpu``) or the environment variable
-``JAXLLM_INT8_BACKEND``; ``interpret=True`` runs a Pallas backend on CPU.
+This module dispatches the INT8 products by backend: ``w8a8_matmul``, ``quantize_per_token``
+(optionally fused with LayerNorm/RMSNorm) and ``int8_bmm`` pick the Pallas kernel on GPU (Triton
+lowering) and TPU (Mosaic), ``cpu`` on CPUs and the pure-jnp reference (XLA) elsewhere. ``cpu``
+is XLA's too, except the few-row products (decode) of ``w8a8_matmul`` and
+``w8a8_matmul_per_token`` on a CPU with AVX-512 VNNI: those go to a hand-written FFI kernel
+(:mod:`pallas_kernels.cpu`; exact, the same int32 sums). Override with ``backend=`` (``xla`` |
+``cpu`` | ``triton`` | ``tpu``) or the environment variable ``JAXLLM_INT8_BACKEND``;
+``interpret=True`` runs a Pallas backend on CPU.
 """
 from __future__ import annotations
 

@@ -72,9 +72,9 @@ def policy_of(method: str, *, kv_quant=None, kv_dtype=None, **settings) -> Cache
 
 
 def _not_taken(method: str, setting: str, value) -> str:
+    takers = [m for m, c in METHODS.items() if setting in {f.name for f in dataclasses.fields(c)}]
     if setting == "sinks":
         return (f"{P.method} {method} keeps no sink tokens (got {P.sinks} {value}); use "
-                f"{P.method} streaming or recompute for sinks")
-    takers = [m for m, c in METHODS.items() if setting in {f.name for f in dataclasses.fields(c)}]
+                f"{P.method} {' or '.join(takers)} for sinks")
     return (f"{getattr(P, setting)} applies to {P.method} {' or '.join(takers)}, not "
             f"{method}")

@@ -306,6 +306,9 @@ def test_settings_a_method_lacks_cannot_be_written():
         policy_of("recompute", kv_dtype="bfloat16")
     with pytest.raises(ValueError, match=r"lam \(λ\) applies to method qhitter, not h2o"):
         policy_of("h2o", lam=0.3)
+    with pytest.raises(ValueError, match="no method has a setting 'heavvy'; h2o's are sinks, "
+                                         "cache, heavy, recent, storage"):
+        policy_of("h2o", heavvy=3)
     # what is not given keeps the method's default: Q-Hitter's own 4-bit store, in bfloat16
     q = policy_of("qhitter", cache=200, kv_dtype="bfloat16")
     assert q.storage == KVStorage("bfloat16", KVQuant("token", bits=4, group=0))

@@ -73,6 +73,9 @@ def policy_of(method: str, *, kv_quant=None, kv_dtype=None, **settings) -> Cache
 
 def _not_taken(method: str, setting: str, value) -> str:
     takers = [m for m, c in METHODS.items() if setting in {f.name for f in dataclasses.fields(c)}]
+    if not takers:
+        own = [f.name for f in dataclasses.fields(METHODS[method])]
+        return f"no method has a setting {setting!r}; {method}'s are {', '.join(own)}"
     if setting == "sinks":
         return (f"{P.method} {method} keeps no sink tokens (got {P.sinks} {value}); use "
                 f"{P.method} {' or '.join(takers)} for sinks")

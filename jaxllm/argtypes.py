@@ -68,8 +68,14 @@ class real:
         return f"real{self.range()}"
 
 
+def is_budget(x: float) -> bool:
+    """A budget of tokens: a count (an integer in [0, int32]) or a fraction in (0, 1) of the
+    text (jaxllm.policy.H2O's heavy/recent take these)."""
+    return math.isfinite(x) and (0 < x < 1 or (x == int(x) and 0 <= x <= INT32_MAX))
+
+
 class budget:
-    """A budget of tokens: a count (an integer >= 0) or a fraction in (0, 1) of the text."""
+    """A flag that takes a budget (:func:`is_budget`)."""
 
     __name__ = "budget"
 
@@ -78,7 +84,7 @@ class budget:
             x = float(text)
         except (ValueError, TypeError):
             x = math.nan
-        if not math.isfinite(x) or x < 0 or (x != int(x) and not 0 < x < 1) or x > INT32_MAX:
+        if not is_budget(x):
             raise argparse.ArgumentTypeError(f"expected a count (integer >= 0) or a fraction in "
                                              f"(0, 1), got {text!r}")
         return x

@@ -188,7 +188,8 @@ KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in f
 
 
 def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    from ..policy import KV_DTYPES
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
                    help="the KV cache's float dtype (default float32; a quantized cache's "
                         "sinks): bfloat16 halves "
                         "its bytes; on a CPU, Pythia-160M decodes with a bfloat16 cache and "

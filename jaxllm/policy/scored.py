@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..argtypes import is_budget
 from ..config import ModelConfig
 from ..errors import P, SettingError
 from ..kv.cache import KVCache, init_cache
@@ -41,7 +42,7 @@ class H2O(CachePolicy):
     def __post_init__(self):
         for name in ("heavy", "recent", "heavy_attn"):
             x = getattr(self, name, None)
-            if x is not None and (x < 0 or (x != int(x) and not 0 < x < 1)):
+            if x is not None and not is_budget(x):
                 raise SettingError(f"{getattr(P, name)} must be a count (an integer >= 0) or a "
                                    f"fraction of the text in (0, 1), got {x}")
         if self.storage.quant.format == "kivi":

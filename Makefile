@@ -39,7 +39,9 @@ test: $(TORCH_STAMP)
 
 # The main job on SmolLM2-135M: 4,096 tokens of the embedded corpus through dense / window
 # 0+256 / StreamingLLM 4+252 caches and recompute at 64 sampled positions; prints perplexity,
-# tokens/s and memory with a verdict, writes demo_out/demo.{json,png}, then a streaming chat.
+# tokens/s and memory with a verdict, writes demo_out/demo.{json,png}, then a streaming chat
+# (added to demo.json when it ends). Needs only what jaxllm declares: .ci/run runs it first, in
+# an environment that `make test` has not filled.
 demo: $(STAMP)
 	$(VENV)/bin/jaxllm demo --out demo_out
 	@echo

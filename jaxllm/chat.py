@@ -1,41 +1,53 @@
-"""A streaming chat: question after question through one fixed-size cache (the use case of
-"Efficient Streaming Language Models with Attention Sinks", Xiao et al. 2024, §1: a multi-round
-dialogue longer than the cache), each turn written in the
-model's chat template, the cache carried from round to round (jaxllm.generate returns it).
+"""A streaming chat: turn after turn through one fixed-size cache (the use case of "Efficient
+Streaming Language Models with Attention Sinks", Xiao et al. 2024, §1: a multi-round dialogue
+longer than the cache), each turn written in the model's chat template, the cache carried from
+turn to turn, so nothing said before is encoded again.
 
-Only the text each round adds is encoded and fed: the template rendered for the conversation so
-far is a prefix of the one rendered with the next question, so the round's prompt is the
+Only the text each turn adds is encoded and fed: the template rendered for the conversation so
+far is a prefix of the one rendered with the next message, so the turn's prompt is the
 difference, after what the template writes behind an answer's end token.
+
+The host drives generation one token at a time (jaxllm.generate.feed / step: two programs, each
+compiled once whatever the turns' lengths), so each token can be shown as it comes and an answer
+can stop at a stop string.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import dataclasses
+import time
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-
-BUCKET = 64  # prompt lengths are padded to a multiple of this
+CHUNK = 64  # prompt tokens per feed call: every turn's prompt goes through one program
 
 
 class Round(NamedTuple):
     question: str
-    answer: str
+    answer: str  # the text shown: without the end token, cut before a stop string
     prompt_tokens: int  # fed this round (the template's turn around the question)
     answer_tokens: int  # generated, the end token included
     seen: int  # tokens the conversation has fed the cache so far
     held: int  # of those, what the cache holds now (sinks + the recent window)
     kv_bytes: int  # the cache's keys and values (fixed: a StreamingLLM cache does not grow)
+    seconds: float = 0.0  # generating the answer, compilation left out
+    stopped_by: str = ""  # "eos", "stop string", "length" or "interrupted"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.answer_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def turn_text(tok, history: list[dict], question: str, ended: bool) -> str:
-    """What to feed for ``question`` after ``history`` (alternating user/assistant messages,
-    the answers as decoded): the template's new turn, closing the last answer first (its end
-    token, if generation stopped without it, and what the template writes after it)."""
+def turn_text(tok, history: list[dict], question: str, ended: bool, fed: bool = True) -> str:
+    """What to feed for ``question`` after ``history`` (messages as the template takes them:
+    a system message, then alternating user / assistant), the template's new turn, closing the
+    last answer first (its end token, if generation stopped without it, and what the template
+    writes after it). ``fed=False``: nothing of the conversation is in the cache yet, so the
+    whole rendering is fed."""
     user = {"role": "user", "content": question}
     after = tok.chat(history + [user])
-    if not history:
+    if not fed:
         return after
     before = tok.chat(history, generation_prompt=False)
     if not after.startswith(before):
@@ -46,41 +58,157 @@ def turn_text(tok, history: list[dict], question: str, ended: bool) -> str:
     return ("" if ended else eos) + closing + after[len(before):]
 
 
+class _Shown:
+    """The answer's text as the tokens come: what may be shown now (nothing that could still
+    become a stop string, nor a half-decoded character) and where a stop string ends it."""
+
+    def __init__(self, tok, stop: Sequence[str]):
+        self.tok, self.stop, self.ids, self.shown = tok, tuple(s for s in stop if s), [], 0
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """The new text to show after ``token``, and whether a stop string has appeared."""
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        hits = [text.find(s) for s in self.stop if s in text]
+        if hits:
+            cut = min(hits)
+            new, self.shown = text[self.shown:cut], max(self.shown, cut)
+            return new, True
+        safe = len(text)
+        if text.endswith("\ufffd"):  # a character whose bytes have not all come
+            safe = len(text.rstrip("\ufffd"))
+        for s in self.stop:  # hold back a tail that a stop string begins with
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        new = text[self.shown:max(safe, self.shown)]
+        self.shown = max(safe, self.shown)
+        return new, False
+
+    def text(self, stopped: bool) -> str:
+        text = self.tok.decode(self.ids)
+        if stopped:
+            text = text[:min(text.find(s) for s in self.stop if s in text)]
+        return text
+
+
+class Chat:
+    """One conversation with a model through ``cache`` (a StreamingLLM cache keeps it going
+    forever at constant memory; a dense cache until it is full).
+
+    ``send(message)`` feeds the new turn, generates the answer as ``sampling`` picks it
+    (``max_new_tokens`` a turn; the end token and ``stop`` strings end it earlier) and returns a
+    :class:`Round`; ``on_text(piece)`` receives the answer's text as it is generated.
+    ``system``: a system message first (the template's default when None). ``reset()`` starts a
+    new conversation in an empty cache.
+    """
+
+    def __init__(self, params, cfg, tok, cache, sampling=None, key: Optional[jax.Array] = None,
+                 system: Optional[str] = None, stop: Sequence[str] = ()):
+        from .generate import SamplingConfig
+        if not getattr(tok, "has_chat_template", False):
+            raise ValueError(f"{getattr(tok, 'name', 'the model')}'s tokenizer has no chat "
+                             f"template (a base or byte-level model)")
+        if tok.eos_id is None:
+            raise ValueError("the tokenizer names no end-of-turn token; a chat needs one to "
+                             "stop each answer")
+        self.params, self.cfg, self.tok = params, cfg, tok
+        self.sampling = dataclasses.replace(sampling or SamplingConfig(), eos_id=tok.eos_id)
+        self.system, self.stop = system, tuple(stop)
+        self.key = jax.random.key(0) if key is None else key
+        # reset() needs the empty cache back, and the one given is donated to the first call:
+        # a host copy of it.
+        self._empty = jax.device_get(cache)
+        self.cache = cache
+        self._start()
+
+    def _start(self) -> None:
+        self.history: list[dict] = ([{"role": "system", "content": self.system}]
+                                    if self.system else [])
+        self.seen, self.ended, self.fed = 0, True, False
+
+    def reset(self) -> None:
+        """A new conversation: the cache emptied, the history forgotten."""
+        self.cache = jax.device_put(self._empty)
+        self._start()
+
+    @property
+    def held(self) -> int:
+        return int(np.max(np.asarray(self.cache.length)))
+
+    def send(self, message: str, on_text: Optional[Callable[[str], None]] = None) -> Round:
+        from .generate import feed, step
+        from .kv.cache import check_room, kv_bytes
+        from .positions import with_sink
+        from .progress import watch_compiles
+        if not message.strip():
+            raise ValueError("the message is empty")
+        sc = self.sampling
+        ids = self.tok.encode(turn_text(self.tok, self.history, message, self.ended, self.fed))
+        if not self.fed and self.cfg.sink_id is not None:  # a learnable sink starts the stream
+            ids = [int(t) for t in with_sink(self.cfg, np.asarray(ids, np.int32))]
+        check_room(self.cache, [self.held + len(ids) + sc.max_new_tokens])
+        shown = _Shown(self.tok, self.stop)
+        stopped_by = "length"
+        with watch_compiles() as compiling:
+            t0 = time.perf_counter()
+            for s in range(0, len(ids), CHUNK):  # the prompt, a fixed-size chunk at a time
+                part = ids[s:s + CHUNK]
+                chunk = np.zeros((1, CHUNK), np.int32)
+                chunk[0, :len(part)] = part
+                self.key, sub = jax.random.split(self.key)
+                token, self.cache = feed(self.params, self.cfg, sc.rule, self.cache, chunk,
+                                         np.asarray([len(part)], np.int32), sub)
+            self.fed = True
+            t1, c1 = time.perf_counter(), compiling[0]
+            out: list[int] = []
+            try:
+                while True:
+                    t = int(token[0])
+                    out.append(t)
+                    new = ""
+                    if t == sc.eos_id:
+                        stopped_by = "eos"
+                    else:
+                        new, hit = shown.add(t)
+                        if hit:
+                            stopped_by = "stop string"
+                    # Written in every case, so the cache holds every token generated (the
+                    # text is shown after the step is dispatched: the first step's compile
+                    # never splits an answer's line).
+                    self.key, sub = jax.random.split(self.key)
+                    token, self.cache = step(self.params, self.cfg, sc.rule, self.cache, token,
+                                             np.ones((1,), np.int32), sub)
+                    if new and on_text is not None:
+                        on_text(new)
+                    if stopped_by != "length" or len(out) >= sc.max_new_tokens:
+                        break
+            except KeyboardInterrupt:
+                stopped_by = "interrupted"
+            jax.block_until_ready(self.cache)
+            secs = max(time.perf_counter() - t1 - (compiling[0] - c1), 1e-9)
+        self.ended = stopped_by == "eos"
+        body = out[:-1] if self.ended else out
+        answer = shown.text(stopped_by == "stop string").strip()
+        # The history is what the cache holds (a stop string included), so the template's next
+        # rendering continues it.
+        self.history += [{"role": "user", "content": message},
+                         {"role": "assistant", "content": self.tok.decode(body).strip()}]
+        self.seen += len(ids) + len(out)
+        return Round(message, answer, len(ids), len(out), self.seen, self.held,
+                     kv_bytes(self.cache), secs, stopped_by)
+
+
 def chat(params, cfg, tok, questions: list[str], cache, sampling=None,
          key: Optional[jax.Array] = None, on_round=None) -> tuple[list[Round], object]:
     """Answers to ``questions``, one round each through ``cache`` (returned at the end), as
     ``sampling`` (a SamplingConfig; default greedy, 64 tokens) picks them, each stopped at the
     tokenizer's end token. ``on_round(round)`` is called as each round finishes (to print it)."""
-    import dataclasses
-
-    from .kv.cache import kv_bytes
-    from .generate import SamplingConfig, generate
-    if tok.eos_id is None:
-        raise ValueError("the tokenizer names no end-of-turn token; a chat needs one to stop "
-                         "each answer")
-    sc = dataclasses.replace(sampling or SamplingConfig(), eos_id=tok.eos_id)
-    history: list[dict] = []
-    rounds, seen, ended = [], 0, True
-    key = jax.random.key(0) if key is None else key
+    c = Chat(params, cfg, tok, cache, sampling, key)
+    rounds = []
     for q in questions:
-        key, sub = jax.random.split(key)
-        ids = tok.encode(turn_text(tok, history, q, ended))
-        # Right-padded to a multiple of BUCKET: rounds of similar length share one compiled
-        # loop (its shapes are the prompt's), instead of one compile per round.
-        padded = np.zeros((1, -(-len(ids) // BUCKET) * BUCKET), np.int32)
-        padded[0, :len(ids)] = ids
-        res = generate(params, cfg, jnp.asarray(padded), cache, sc, sub,
-                       prompt_lengths=jnp.asarray([len(ids)], jnp.int32))
-        cache = res.cache
-        n = int(res.num_tokens[0])
-        out = [int(t) for t in np.asarray(res.tokens[0, :n])]
-        ended = bool(out) and out[-1] == tok.eos_id
-        answer = tok.decode(out[:-1] if ended else out).strip()
-        history += [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]
-        seen += len(ids) + n
-        r = Round(q, answer, len(ids), n, seen, int(np.max(np.asarray(cache.length))),
-                  kv_bytes(cache))
-        rounds.append(r)
+        rounds.append(c.send(q))
         if on_round is not None:
-            on_round(r)
-    return rounds, cache
+            on_round(rounds[-1])
+    return rounds, c.cache

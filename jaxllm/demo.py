@@ -10,7 +10,6 @@ model's chat template, through one small StreamingLLM cache that the rounds toge
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -22,6 +21,7 @@ import numpy as np
 from .kv.quantized import KVQuant
 from .policy import CachePolicy, Dense, KVStorage, Recompute, StreamingLLM, Window
 from .ppl import recompute_at, stream_score
+from .progress import watch_compiles
 
 # Questions of the chat, each with the words one of which a right answer contains.
 QUESTIONS = (("What is the capital of France?", ("paris",)),
@@ -73,22 +73,6 @@ class DemoConfig:
                                                                replace=False))
 
 
-@contextlib.contextmanager
-def compile_seconds():
-    """Yields a list that holds, on exit, the seconds JAX spent tracing, lowering and compiling
-    inside the block (jax.monitoring's compile events): timed work less that is the run's own."""
-    spent: list = [0.0]
-
-    def listen(event, secs, **kw):
-        if event.startswith("/jax/core/compile/") or "backend_compile" in event:
-            spent[0] += secs
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield spent
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-
-
 def _kv_mib(cfg, pc: CachePolicy, slots: int) -> float:
     """MiB of the keys and values ``pc`` holds for ``slots`` (from the arrays' shapes)."""
     shapes = jax.eval_shape(lambda: pc.make_cache(cfg, 1, slots))
@@ -96,8 +80,8 @@ def _kv_mib(cfg, pc: CachePolicy, slots: int) -> float:
 
 
 def _run(params, cfg, ids, pc: CachePolicy, desc: str) -> tuple[np.ndarray, dict]:
-    """One stream, run once: its tokens/s leave out the compile time (compile_seconds)."""
-    with compile_seconds() as spent:
+    """One stream, run once: its tokens/s leave out the compile time (progress.watch_compiles)."""
+    with watch_compiles() as spent:
         t0 = time.perf_counter()
         nll = stream_score(params, cfg, ids, pc, True, desc)[0]
         secs = time.perf_counter() - t0
@@ -110,7 +94,7 @@ def _run(params, cfg, ids, pc: CachePolicy, desc: str) -> tuple[np.ndarray, dict
 def _recompute_row(params, cfg, ids, dc: DemoConfig, label: str, stream_nll: np.ndarray):
     """Recompute at the sampled positions, with StreamingLLM's NLL at the same positions."""
     pos = dc.sampled_positions(len(ids))
-    with compile_seconds() as spent:
+    with watch_compiles() as spent:
         t0 = time.perf_counter()
         nll = recompute_at(params, cfg, ids, dc.recompute, pos, True, f"{label}: recompute")
         secs = time.perf_counter() - t0
@@ -126,12 +110,12 @@ def _recompute_row(params, cfg, ids, dc: DemoConfig, label: str, stream_nll: np.
 
 
 def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfig,
-             out_dir: str, echo=print) -> dict:
-    """``models``: label -> (cfg, params, tokenizer); ``ids`` the stream, ``calib_ids`` other
-    text for SmoothQuant's calibration. Returns (and writes) the results; ``echo`` prints
-    progress lines (the chat's rounds as they finish)."""
+             out_dir: str) -> dict:
+    """The scoring half: ``models``: label -> (cfg, params, tokenizer); ``ids`` the stream,
+    ``calib_ids`` other text for SmoothQuant's calibration. Returns the results (``chat`` and
+    ``generations`` empty until :func:`run_chats`) and writes ``demo.png``."""
     os.makedirs(out_dir, exist_ok=True)
-    rows, curves, sampled, contexts, chats, gens = [], {}, {}, {}, {}, {}
+    rows, curves, sampled, contexts = [], {}, {}, {}
     for label, (cfg, params, tok) in models.items():
         contexts[label] = cfg.max_seq_len
         stream_rows = list(dc.policies())
@@ -152,19 +136,26 @@ def run_demo(models: dict, ids: np.ndarray, calib_ids: np.ndarray, dc: DemoConfi
             curves[f"{label}: INT8 StreamingLLM"] = nll
         r, sampled[label] = _recompute_row(params, cfg, ids, dc, label, streaming_nll)
         rows.append({"model": label, "method": f"{dc.recompute.label}, sampled", **r})
-        if getattr(tok, "has_chat_template", False):
-            chats[label] = _chat(params, cfg, tok, dc, label, echo)
-        else:
-            gens[label] = _continue(params, cfg, tok, dc)
     unit = "byte" if all(type(t).__name__ == "ByteTokenizer" for _, _, t in models.values()) \
         else "token"
     config = dict(dataclasses.asdict(dc), kv_quant=dataclasses.asdict(dc.kv_quant))
     result = {"config": config, "tokens_scored": int(len(ids) - 1),
-              "unit": unit, "training_context": contexts, "rows": rows, "chat": chats,
-              "generations": gens, "sampled": sampled,
+              "unit": unit, "training_context": contexts, "rows": rows, "chat": {},
+              "generations": {}, "sampled": sampled,
               # the per-position NLL (nats) that demo.png plots, one list per model and method
               "curves": {k: [round(float(x), 4) for x in v] for k, v in curves.items()}}
     plot_curves(curves, os.path.join(out_dir, "demo.png"), dc, contexts, unit, sampled=sampled)
+    return result
+
+
+def run_chats(models: dict, dc: DemoConfig, result: dict, echo=print) -> dict:
+    """The generation half, into ``result``: each model with a chat template chats (its rounds
+    echoed as they finish), the others continue ``dc.prompt``."""
+    for label, (cfg, params, tok) in models.items():
+        if getattr(tok, "has_chat_template", False):
+            result["chat"][label] = _chat(params, cfg, tok, dc, label, echo)
+        else:
+            result["generations"][label] = _continue(params, cfg, tok, dc)
     return result
 
 
@@ -296,12 +287,18 @@ def explain(result: dict) -> str:
                          f"{paired:.2f} against recompute's {rec:.2f} ({paired / rec - 1:+.1%}), "
                          f"recomputing nothing")
         out.append(f"{model} ({ctx}-{unit} training context): " + "; ".join(parts) + ".")
-        chat = result.get("chat", {}).get(model)
-        if chat:
-            right = sum(r["correct"] for r in chat)
-            full = next((i for i, r in enumerate(chat) if r["seen"] > r["held"]), None)
-            over = (f"; the cache was full from round {full + 1} on, and the later answers "
-                    f"came through StreamingLLM's eviction" if full is not None else "")
-            out.append(f"{model} chat: {right} of {len(chat)} answers contain their expected "
-                       f"word{over}.")
+    return "\n".join(out)
+
+
+def explain_chats(result: dict) -> str:
+    """How each model's chat went: answers with their expected word, and when the cache was
+    full (so later answers came through StreamingLLM's eviction)."""
+    out = []
+    for model, chat in result.get("chat", {}).items():
+        right = sum(r["correct"] for r in chat)
+        full = next((i for i, r in enumerate(chat) if r["seen"] > r["held"]), None)
+        over = (f"; the cache was full from round {full + 1} on, and the later answers came "
+                f"through StreamingLLM's eviction" if full is not None else "")
+        out.append(f"{model} chat: {right} of {len(chat)} answers contain their expected "
+                   f"word{over}.")
     return "\n".join(out)

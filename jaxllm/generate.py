@@ -39,6 +39,12 @@ class SamplingConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
 
+    @property
+    def rule(self) -> "SamplingConfig":
+        """Only what picks a token (temperature, top-k, top-p): the static argument of the
+        step-wise programs, so a different token budget or end token compiles nothing new."""
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
 
 class GenerateResult(NamedTuple):
     tokens: Int[Array, "b n"]  # generated ids; after a row's EOS, padded with eos_id
@@ -171,6 +177,33 @@ def generate(params, cfg: ModelConfig, prompt: Int[Array, "b p"], cache: KVCache
     prompt, lens = _prepare(cfg, prompt, cache, prompt_lengths, sampling)
     key = jax.random.key(0) if key is None else key
     return _generate_jit(params, cfg, sampling, prompt, lens, cache, key)
+
+
+# ---- step-wise generation: the host drives (a chat, a server) ---------------------------------
+# Two programs, each compiled once per shape whatever the prompt or answer lengths: feed writes a
+# fixed-size chunk of prompt tokens and samples from the last valid one, step writes one token
+# per row and samples the next. The host sees each token as it comes (to print it, to stop at a
+# stop string) and decides when to stop; every sampled token is written before the turn ends, as
+# in generate, so the cache continues the conversation exactly.
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rule"), donate_argnames=("cache",))
+def feed(params, cfg: ModelConfig, rule: SamplingConfig, cache: KVCache,
+         tokens: Int[Array, "b t"], lens: Int[Array, " b"], key: jax.Array
+         ) -> tuple[Int[Array, " b"], KVCache]:
+    """Write ``tokens`` (right-padded to ``lens``) into ``cache``; sample a token from each
+    row's last valid one (meaningless where ``lens`` is 0)."""
+    logits, cache = apply(params, cfg, tokens, cache, lens, last_only=True)  # [B, 1, V]
+    return sample_logits(logits[:, 0], key, rule), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rule"), donate_argnames=("cache",))
+def step(params, cfg: ModelConfig, rule: SamplingConfig, cache: KVCache,
+         token: Int[Array, " b"], active: Int[Array, " b"], key: jax.Array
+         ) -> tuple[Int[Array, " b"], KVCache]:
+    """Write ``token`` into each row where ``active`` is 1 (rows at 0 are left as they are) and
+    sample each row's next token."""
+    logits, cache = apply(params, cfg, token[:, None], cache, active)
+    return sample_logits(logits[:, 0], key, rule), cache
 
 
 def generate_python(params, cfg: ModelConfig, prompt, cache: KVCache,

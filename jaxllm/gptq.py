@@ -215,11 +215,13 @@ def _stages(names: list[str], true_sequential: bool) -> list[list[str]]:
 
 
 def quantize_model(params, cfg, tokens: np.ndarray, qcfg: GPTQConfig, batch: int = 4,
-                   progress: bool = False):
-    """Every linear of every block as a jaxllm.lowbit.QLowBit (the embedding and the head stay
-    as they are), block after block, each calibrated on what the quantized blocks before it
-    output. ``tokens`` [n, L]: calibration sequences (RTN reads none). Returns (params, info):
-    per linear its GPTQ loss and ‖WX - ŴX‖² against RTN's (on the calibration inputs)."""
+                   progress: bool = False, int8_embedding: bool = True):
+    """Every linear of every block as a jaxllm.lowbit.QLowBit, block after block, each
+    calibrated on what the quantized blocks before it output; ``int8_embedding``: the embedding
+    table (and so a tied head) int8 with one scale per row, weight-only (quant.quantize_rows),
+    else float as loaded; an untied head and the norms stay float. ``tokens`` [n, L]:
+    calibration sequences (RTN reads none). Returns (params, info): per linear its GPTQ loss and
+    ‖WX - ŴX‖² against RTN's (on the calibration inputs)."""
     from . import tree
     from .model import apply, block_apply
     from .smoothquant import is_quantized
@@ -240,37 +242,52 @@ def quantize_model(params, cfg, tokens: np.ndarray, qcfg: GPTQConfig, batch: int
         for i in range(0, len(tokens), batch):
             xs.append(first(params, tokens=jnp.asarray(tokens[i:i + batch]))[2][
                 "block_inputs"]["x"])
-    from tqdm.auto import tqdm
-    for layer in tqdm(range(cfg.num_layers), desc=f"{qcfg.method} {qcfg.bits}-bit",
-                      unit="block", disable=not progress):
-        prefix = f"layer_{layer}/"
-        lp = tree.unflatten({k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)})
-        names = [k[:-len("/kernel")] for k in tree.flatten(lp) if k.endswith("/kernel")]
-        for stage in _stages(names, qcfg.true_sequential):
-            H = {n: 0.0 for n in stage}
-            count = 0
-            for x in xs:  # the stage's inputs, with the block's earlier stages quantized
-                _, st = inputs(lp, x=x)
-                for n in stage:
-                    xin = tree.flatten(st["inputs"])[f"{n}/x"]
-                    H[n] = H[n] + hessian(xin)
-                count += x.shape[0] * x.shape[1]
-            flat_lp = tree.flatten(lp)
-            for n in stage:
-                kernel = flat_lp[f"{n}/kernel"]
-                node, loss = quantize_linear(kernel, qcfg, H[n] / max(count, 1)
-                                             if qcfg.method == "gptq" else None)
-                flat_lp[f"{n}/kernel"] = node
-                info["layers"][prefix + n] = {"loss": loss}
-            lp = tree.unflatten(flat_lp)
-        if qcfg.method == "gptq":
-            xs = [forward(lp, x=x) for x in xs]  # the next block's input
-        for k, v in tree.flatten(lp).items():
-            out[prefix + k] = v
+    from .progress import bar
+    with bar(total=cfg.num_layers, desc=f"{qcfg.method} {qcfg.bits}-bit", unit="block",
+             disable=not progress) as blocks:
+        for layer in range(cfg.num_layers):
+            xs = _quantize_block(layer, out, xs, qcfg, inputs, forward, info["layers"])
+            blocks.update(1)
+    if int8_embedding and "embed/embedding" in out:
+        from .quant import quantize_rows
+        out["embed/embedding"] = quantize_rows(jnp.asarray(out["embed/embedding"]), act="none")
     q = tree.unflatten(out)
     nodes = [v for v in out.values() if isinstance(v, lowbit.QLowBit)]
     info["linear_bytes"] = sum(v.nbytes for v in nodes)
     info["float_linear_bytes"] = sum(4 * v.shape[0] * v.shape[1] for v in nodes)
-    info["other_bytes"] = sum(np.asarray(v).nbytes for v in out.values()
-                              if not isinstance(v, lowbit.QLowBit))
+    info["other_bytes"] = sum(sum(x.nbytes for x in jax.tree.leaves(v))
+                              for v in out.values() if not isinstance(v, lowbit.QLowBit))
     return q, info
+
+
+def _quantize_block(layer: int, out: dict, xs: list, qcfg: GPTQConfig, inputs, forward,
+                    losses: dict) -> list:
+    """Block ``layer``'s linears quantized in ``out`` (flat params, updated in place), each
+    stage on its inputs with the block's earlier stages quantized, their losses in ``losses``;
+    returns the next block's inputs (GPTQ)."""
+    from . import tree
+    prefix = f"layer_{layer}/"
+    lp = tree.unflatten({k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)})
+    names = [k[:-len("/kernel")] for k in tree.flatten(lp) if k.endswith("/kernel")]
+    for stage in _stages(names, qcfg.true_sequential):
+        H = {n: 0.0 for n in stage}
+        count = 0
+        for x in xs:  # the stage's inputs, with the block's earlier stages quantized
+            _, st = inputs(lp, x=x)
+            for n in stage:
+                xin = tree.flatten(st["inputs"])[f"{n}/x"]
+                H[n] = H[n] + hessian(xin)
+            count += x.shape[0] * x.shape[1]
+        flat_lp = tree.flatten(lp)
+        for n in stage:
+            kernel = flat_lp[f"{n}/kernel"]
+            node, loss = quantize_linear(kernel, qcfg, H[n] / max(count, 1)
+                                         if qcfg.method == "gptq" else None)
+            flat_lp[f"{n}/kernel"] = node
+            losses[prefix + n] = {"loss": loss}
+        lp = tree.unflatten(flat_lp)
+    if qcfg.method == "gptq":
+        xs = [forward(lp, x=x) for x in xs]  # the next block's input
+    for k, v in tree.flatten(lp).items():
+        out[prefix + k] = v
+    return xs

@@ -119,7 +119,7 @@ def recompute_at(params, cfg: ModelConfig, tokens, pc: Recompute, positions,
     """NLL of tokens[t + 1] at each of ``positions`` (each >= ``pc.cache``: where the window
     has slid) by sliding window with re-computation (``pc``: its sinks and cache): the baseline scored at sampled positions, for a paired comparison with another
     policy's :func:`stream_score` at the same indices, without recomputing every token."""
-    from tqdm.auto import tqdm
+    from .progress import bar as progress_bar
     if not isinstance(pc, Recompute):
         raise ValueError(f"recompute_at takes a Recompute policy, got {pc.label}")
     tokens = np.asarray(tokens, np.int32).reshape(-1)
@@ -131,8 +131,8 @@ def recompute_at(params, cfg: ModelConfig, tokens, pc: Recompute, positions,
     lead = with_sink(cfg, tokens)
     skip = lead.size - tokens.size  # a learnable sink in front: indices shift by one
     pc.check(cfg, lead.size)
-    with tqdm(total=positions.size, unit="tok", disable=not progress,
-              desc=desc or "recompute") as bar:
+    with progress_bar(total=positions.size, unit="tok", disable=not progress,
+                      desc=desc or "recompute") as bar:
         return _windows_nll(params, cfg, lead, pc, positions + skip, bar)[0]
 
 
@@ -149,7 +149,7 @@ def stream_score(params, cfg: ModelConfig, tokens, pc: CachePolicy = StreamingLL
     A span of hits is an exact match: greedy decoding from its prefix would produce it.
     A learnable-sink model gets its sink token in front of the stream (it was trained with one
     first in every sample); the scores are still those of tokens[1:]."""
-    from tqdm.auto import tqdm
+    from .progress import bar as progress_bar
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if tokens.size < 2:
         raise ValueError(f"need at least 2 tokens to score, got {tokens.size}; is the text empty?")
@@ -162,8 +162,8 @@ def stream_score(params, cfg: ModelConfig, tokens, pc: CachePolicy = StreamingLL
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     skip = lead.size - tokens.size  # predictions of tokens[0] from the sink: not scored
-    with tqdm(total=lead.size - 1, unit="tok", unit_scale=True, disable=not progress,
-              desc=desc or f"ppl {pc.name}") as bar:
+    with progress_bar(total=lead.size - 1, unit="tok", unit_scale=True, disable=not progress,
+                      desc=desc or f"ppl {pc.name}") as bar:
         fn = _cached_nll if pc.keeps_cache else _recompute_nll
         nll, hit = fn(params, cfg, lead, pc, chunk, bar)
     return nll[skip:], hit[skip:]
@@ -200,15 +200,18 @@ def plot_nll(nll: np.ndarray, path: str, title: str, smooth: Optional[int] = Non
 
 def run_ppl(params, cfg: ModelConfig, tokens, pc: CachePolicy, progress: bool = True,
             chunk: int = 256) -> tuple:
-    """``(nll, summary)`` where the summary carries timing and peak memory."""
-    t0 = time.perf_counter()
+    """``(nll, summary)`` where the summary carries timing (tokens/s and seconds leave
+    compilation out; ``compile_seconds`` is apart) and peak memory."""
+    from .progress import watch_compiles
     pc = pc.resolve(len(with_sink(cfg, np.asarray(tokens).reshape(-1))))
-    nll = stream_nll(params, cfg, tokens, pc, progress, chunk)
-    secs = time.perf_counter() - t0
+    with watch_compiles() as compiling:
+        t0 = time.perf_counter()
+        nll = stream_nll(params, cfg, tokens, pc, progress, chunk)
+        secs = max(time.perf_counter() - t0 - compiling[0], 1e-9)
     summary = {"method": pc.name, "label": pc.label, "sinks": pc.sinks,
                "cache": pc.slots(len(nll)), "chunk": chunk,
                "kv_dtype": pc.storage.dtype if pc.storage else None, **summarize(nll),
-               "seconds": secs,
+               "seconds": secs, "compile_seconds": compiling[0],
                "tokens_per_s": len(nll) / secs, "peak_rss_mb": peak_rss_mb(),
                "jax": jax.__version__, "backend": jax.default_backend()}
     return nll, summary

@@ -76,17 +76,28 @@ class HFTokenizer:
         self.tok.save_pretrained(directory)
 
     @property
+    def chat_template(self) -> str | None:
+        """The Jinja source of the chat template (a tokenizer with several named templates
+        gives its "default" one), or None."""
+        t = getattr(self.tok, "chat_template", None)
+        if isinstance(t, dict):
+            t = t.get("default")
+        return t or None
+
+    @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tok, "chat_template", None))
+        return self.chat_template is not None
 
     def chat(self, messages: list[dict], generation_prompt: bool = True) -> str:
         """``messages`` ([{"role", "content"}]) in the model's chat template, ready for the
-        assistant's turn unless ``generation_prompt=False`` (transformers renders the template
-        in a sandboxed Jinja environment); ValueError when the tokenizer has no template."""
+        assistant's turn unless ``generation_prompt=False``, rendered as transformers renders it
+        but with bounds on time and size (jaxllm.template); ValueError when the tokenizer has no
+        template or the template fails."""
+        from .template import render
         if not self.has_chat_template:
             raise ValueError(f"the tokenizer of {self.name} has no chat template")
-        return self.tok.apply_chat_template(messages, tokenize=False,
-                                            add_generation_prompt=generation_prompt)
+        return render(self.chat_template, messages, generation_prompt,
+                      special_tokens=self.tok.special_tokens_map, name=self.name)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)

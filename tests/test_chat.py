@@ -1,6 +1,9 @@
 """The streaming chat (jaxllm/chat.py): what each round feeds is the chat template's text for the
 conversation, and each answer is the greedy continuation a plain causal forward over the whole
 conversation gives (no cache), while the rounds share one cache."""
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,3 +79,160 @@ def test_a_chat_needs_a_template_and_an_end_token(tiny, capsys):
     from jaxllm.cli import main
     assert main(["generate", "--model", "embedded", "--chat", "--prompt", "hi"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny, tmp_path_factory):
+    """The tiny chat model as a jaxllm model directory (its tokenizer and template inside)."""
+    cfg, params, tok = tiny
+    d = str(tmp_path_factory.mktemp("tinychat") / "m")
+    jaxllm.save_model(d, cfg, params, tokenizer=tok)
+    return d
+
+
+def _demo(model_dir, out, template=None):
+    """A CI-sized `jaxllm demo` on the tiny chat model, in a subprocess (unbuffered: its lines
+    arrive as printed)."""
+    import subprocess
+    import sys
+    if template is not None:
+        cfg_path = os.path.join(model_dir, "tokenizer", "tokenizer_config.json")
+        conf = json.load(open(cfg_path))
+        conf["chat_template"] = template
+        json.dump(conf, open(cfg_path, "w"))
+        for f in ("chat_template.jinja",):
+            if os.path.exists(os.path.join(model_dir, "tokenizer", f)):
+                open(os.path.join(model_dir, "tokenizer", f), "w").write(template)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxllm.cli", "demo", "--model", f"tiny={model_dir}", "--tokens",
+         "200", "--cache", "32", "--sinks", "2", "--positions", "4", "--chat-cache", "40",
+         "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _scored(out):
+    r = json.load(open(os.path.join(out, "demo.json")))
+    assert [row["method"] for row in r["rows"]] == [
+        "dense", "window 0+32", "StreamingLLM 2+30", "recompute 2+30, sampled"]
+    assert os.path.getsize(os.path.join(out, "demo.png")) > 1000
+    return r
+
+
+def test_a_demo_killed_in_its_chat_keeps_its_results(tiny_dir, tmp_path):
+    """SIGKILL as soon as the chat begins: the table was printed, demo.json and demo.png are
+    written (the chat, which had not finished, is absent)."""
+    import signal
+    out = str(tmp_path / "out")
+    proc = _demo(tiny_dir, out)
+    printed = []
+    for line in proc.stdout:
+        printed.append(line)
+        if "a chat through one" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "".join(printed) + proc.stderr.read()
+    assert any(line.startswith("tiny ") and "StreamingLLM 2+30" in line for line in printed)
+    assert _scored(out)["chat"] == {}
+
+
+def test_a_demo_whose_chat_fails_keeps_its_results(tiny, tmp_path):
+    """A chat template that raises: one line naming the template, exit status 2, and the
+    scoring's results written."""
+    cfg, params, tok = tiny
+    d = str(tmp_path / "m")
+    jaxllm.save_model(d, cfg, params, tokenizer=tok)
+    out = str(tmp_path / "out")
+    proc = _demo(d, out, template="{{ raise_exception('no chats here') }}")
+    stdout, stderr = proc.communicate()
+    assert proc.returncode == 2, stderr
+    assert "no chats here" in stderr and "Traceback" not in stderr
+    assert _scored(out)["chat"] == {}
+
+
+def _generate_rounds(cfg, params, tok, questions, max_new):
+    """The conversation by jaxllm.generate (one compiled loop per round, the cache it returns
+    carried to the next round): the answers' texts."""
+    from jaxllm.generate import generate
+    cache = jaxllm.StreamingLLM(4, 64).make_cache(cfg, 1, 64)
+    history, ended, fed, answers = [], True, False, []
+    sc = SamplingConfig(max_new_tokens=max_new, eos_id=tok.eos_id)
+    for q in questions:
+        ids = tok.encode(turn_text(tok, history, q, ended, fed))
+        res = generate(params, cfg, jnp.asarray([ids]), cache, sc)
+        cache, fed = res.cache, True
+        out = [int(t) for t in np.asarray(res.tokens[0, :int(res.num_tokens[0])])]
+        ended = out[-1] == tok.eos_id
+        body = tok.decode(out[:-1] if ended else out).strip()
+        answers.append(body)
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": body}]
+    return answers
+
+
+QUESTIONS = ["w1 w2 w3", "w9", "w10 w11 w12 w13", "w4 w4"]
+
+
+def test_chat_command_reads_stdin_and_answers_as_generate_does(tiny, tiny_dir, capsys,
+                                                                monkeypatch):
+    import io
+    from jaxllm.cli import main
+    cfg, params, tok = tiny
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(QUESTIONS) + "\n"))
+    assert main(["--no-compile-cache", "chat", "--model", tiny_dir, "--max-new-tokens", "6",
+                 "--sinks", "4", "--cache", "64"]) == 0
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()
+    assert [lines[i] for i in range(0, len(lines), 2)] == [f">>> {q}" for q in QUESTIONS]
+    want = _generate_rounds(cfg, params, tok, QUESTIONS, 6)
+    assert [lines[i].strip() for i in range(1, len(lines), 2)] == want
+    assert printed.err.count(" tok/s") == len(QUESTIONS)
+
+
+def test_chat_command_at_a_terminal(tiny_dir):
+    """Driven through a pseudo-terminal: a prompt, answers streamed, /cache, /reset (the same
+    question then gets the same answer as in a fresh conversation), /exit."""
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+    main_fd, sub_fd = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxllm.cli", "chat", "--model", tiny_dir,
+                             "--max-new-tokens", "6", "--sinks", "4", "--cache", "64"],
+                            stdin=sub_fd, stdout=sub_fd, stderr=sub_fd, close_fds=True)
+    os.close(sub_fd)
+    seen = [""]
+
+    def until(text, limit=120.0):
+        end = time.monotonic() + limit
+        while text not in seen[0]:
+            assert time.monotonic() < end, f"no {text!r} in {seen[0]!r}"
+            if select.select([main_fd], [], [], 1.0)[0]:
+                try:
+                    seen[0] += os.read(main_fd, 4096).decode(errors="replace")
+                except OSError:
+                    break
+        i = seen[0].index(text) + len(text)
+        got, seen[0] = seen[0][:i], seen[0][i:]
+        return got
+
+    def say(line):
+        os.write(main_fd, (line + "\n").encode())
+
+    until(">>> ")
+    say("w1 w2 w3")
+    first = until(">>> ")
+    say("w9")
+    until(">>> ")
+    say("/cache")
+    assert "the cache holds" in until(">>> ")
+    say("/reset")
+    assert "a new conversation" in until(">>> ")
+    say("w1 w2 w3")
+    again = until(">>> ")
+    say("/exit")
+    proc.wait(timeout=60)
+    os.close(main_fd)
+    assert proc.returncode == 0
+    answer = lambda s: s.split("[")[0].strip().splitlines()[-1]  # noqa: E731
+    assert answer(first) == answer(again) and "tok/s" in first

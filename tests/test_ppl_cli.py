@@ -116,13 +116,35 @@ def test_cli_kv_dtype(tmp_path):
     (b"caf\xe9 au lait", [], "is not UTF-8"),
     (b"  \n", [], "is empty"),
     (b"hello world", ["--method", "sliding"], "unknown --method 'sliding'"),
-    (b"hello world", ["--method", "window", "--sinks", "4"], "keeps no sink tokens"),
 ])
 def test_cli_bad_input(tmp_path, capsys, content, args, msg):
     f = tmp_path / "t.txt"
     f.write_bytes(content)
     assert main(["ppl", "--model", "embedded", "--text", str(f), "--quiet", *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_a_flag_the_method_does_not_take_is_named_and_ignored(tmp_path, capsys):
+    """One command line serves every method: --sinks and --heavy on a window cache, --cache on a
+    dense one, each named on stderr and ignored (the perplexity is the one without them)."""
+    base = ["ppl", "--model", "random:pythia-tiny", "--max-tokens", "60", "--quiet"]
+    got = {}
+    for name, extra in (("window", ["--method", "window", "--cache", "16"]),
+                        ("window+", ["--method", "window", "--cache", "16", "--sinks", "4",
+                                     "--heavy", "8"]),
+                        ("dense", ["--method", "dense"]),
+                        ("dense+", ["--method", "dense", "--cache", "16", "--kv-dtype",
+                                    "float32"])):
+        path = tmp_path / f"{name}.json"
+        assert main(base + extra + ["--json", str(path)]) == 0
+        got[name] = json.loads(path.read_text())["ppl"]
+        got[name + " err"] = capsys.readouterr().err
+    assert got["window+"] == got["window"] and got["dense+"] == got["dense"]
+    notes = [ln for ln in got["window+ err"].splitlines() if ln.startswith("note: --")]
+    assert notes == ["note: --method window keeps no sink tokens (got --sinks 4); use --method "
+                     "streaming or recompute or h2o or qhitter for sinks; ignored",
+                     "note: --heavy applies to --method h2o or qhitter, not window; ignored"]
+    assert "note: --cache applies to" in got["dense+ err"] and "ignored" in got["dense+ err"]
 
 
 def test_cli_generate_rounds(capsys):
@@ -181,7 +203,8 @@ def test_every_option_has_help_and_its_default():
             text = parser.format_help()
             assert "``" not in text, parser.prog  # plain text, no reStructuredText
             for action in parser._actions:
-                if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or \
+                if isinstance(action, (argparse._HelpAction, argparse._VersionAction,
+                                       argparse._SubParsersAction)) or \
                         action.help == argparse.SUPPRESS:
                     continue
                 assert action.help, f"{parser.prog} {action.option_strings} has no help"

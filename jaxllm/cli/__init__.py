@@ -8,9 +8,11 @@ provide (``convert``, ``export-hf`` from the convert package) are registered und
 from __future__ import annotations
 
 import argparse
+import os
 
 from .common import (COMMAND_GROUP, DEFAULT_MODEL, FLAGS, MODEL_HELP, OVERWRITE_HELP, CliError,
                      Parser, check_out, load, run, seed_int, sources)
+from .chat import add_chat
 from .demo import add_demo
 from .eval import add_eval
 from .generate import add_generate
@@ -21,7 +23,7 @@ from .quantize import add_quantize
 __all__ = ["COMMANDS", "DEFAULT_MODEL", "MODEL_HELP", "OVERWRITE_HELP", "CliError", "Parser",
            "build_parser", "check_out", "load", "main", "parse", "seed_int", "sources"]
 
-COMMANDS = (add_ppl, add_demo, add_generate, add_quantize, add_eval)
+COMMANDS = (add_chat, add_ppl, add_demo, add_generate, add_quantize, add_eval)
 
 
 def plugin_commands() -> list:
@@ -32,9 +34,16 @@ def plugin_commands() -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="jaxllm", description="The jaxllm command line: streaming perplexity, "
-               "generation, SmoothQuant, evaluations and conversion (a thin layer over the "
-               "Python API).")
+    from .. import __version__
+    p = Parser(prog="jaxllm", description="The jaxllm command line: chat, streaming "
+               "perplexity, generation, SmoothQuant and GPTQ, evaluations and conversion (a thin "
+               "layer over the Python API).")
+    p.add_argument("--version", action="version", version=f"jaxllm {__version__}")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   default=os.environ.get("JAXLLM_COMPILE_CACHE", "1") == "0",
+                   help="do not keep compiled programs between runs (default: kept in "
+                        "$JAXLLM_CACHE_DIR/xla or ~/.cache/jaxllm/xla, so a second run of the "
+                        "same shapes starts sooner; JAXLLM_COMPILE_CACHE=0 sets this flag)")
     sub = p.add_subparsers(dest="cmd", required=True)
     for add in COMMANDS + tuple(plugin_commands()):
         add(sub)
@@ -48,5 +57,14 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    return run(build_parser(), argv, lambda args: f"jaxllm {args.cmd}: ", flags=FLAGS)
+    """The jaxllm command: compiled programs kept between runs (unless --no-compile-cache), and
+    a line on stderr when a large program compiles."""
+    from ..progress import default_cache_dir, say, use_compile_cache, watch_compiles
 
+    def start(args):
+        if not args.no_compile_cache:
+            use_compile_cache(default_cache_dir())
+
+    with watch_compiles(echo=say):
+        return run(build_parser(), argv, lambda args: f"jaxllm {args.cmd}: ", flags=FLAGS,
+                   before=start)

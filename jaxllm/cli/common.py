@@ -28,11 +28,13 @@ class CliError(Exception):
 
 
 def run(parser: argparse.ArgumentParser, argv, prefix, errors=(ValueError,),
-        flags: Optional[dict] = None) -> int:
+        flags: Optional[dict] = None, before=None) -> int:
     """Parse ``argv`` and run its command (``args.fn``): bad flags, and ``errors`` the command
     raises (the library raises ValueError for bad input), are one line on stderr and exit
     status 2, no traceback; a library SettingError names its settings by ``flags``.
-    ``prefix(args)``: the words before "error:"."""
+    ``prefix(args)``: the words before "error:"; ``before(args)`` runs first. Ctrl-C ends the
+    command with one line and status 130 (outputs are written whole or not at all:
+    jaxllm.outputs)."""
     from ..errors import SettingError
     try:
         args = parser.parse_args(argv)
@@ -40,7 +42,12 @@ def run(parser: argparse.ArgumentParser, argv, prefix, errors=(ValueError,),
         print(e, file=sys.stderr)
         return 2
     try:
+        if before is not None:
+            before(args)
         args.fn(args)
+    except KeyboardInterrupt:
+        print(f"\n{prefix(args)}interrupted", file=sys.stderr)
+        return 130
     except (CliError, *errors) as e:
         msg = e.spelled(flags or {}) if isinstance(e, SettingError) else str(e)
         print(f"{prefix(args)}error: {msg}", file=sys.stderr)
@@ -53,37 +60,78 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     leaving it out does)."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        if action.default is None or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
     """An argument parser whose help shows every option's default and whose errors are one
-    line (a CliError naming the command and the flag, no usage block; subcommands inherit
-    both)."""
+    line (a CliError naming the command and the flag, no usage block, a "did you mean" for a
+    misspelt flag or command; subcommands inherit all of it). Flags are never abbreviated:
+    --max-token is an error, not --max-tokens."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _Help)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):
-        raise CliError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        hint = _did_you_mean(self, message, getattr(self, "_argv", []))
+        raise CliError(f"{self.prog}: error: {message}{hint} (see {self.prog} --help)")
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict:
+    return next((a.choices for a in parser._actions
+                 if isinstance(a, argparse._SubParsersAction)), {})
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, message: str, argv: list) -> str:
+    """"; did you mean --max-tokens?" for the unknown flags or command in ``message``."""
+    import difflib
+    import re
+    subs = _subcommands(parser)
+    m = re.search(r"invalid choice: '([^']*)'", message)
+    if m and subs:
+        close = difflib.get_close_matches(m.group(1), list(subs), n=1)
+        return f"; did you mean {close[0]}?" if close else ""
+    m = re.match(r"unrecognized arguments: (.*)", message)
+    if not m:
+        return ""
+    # The subcommand named in argv holds the flags (the top parser reports its unknowns).
+    chosen = next((subs[a] for a in argv if a in subs), parser)
+    known = [o for a in chosen._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in m.group(1).split():
+        flag = word.split("=")[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1)
+            if close:
+                hints.append(f"{close[0]} for {flag}")
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
 
 
 # ---- shared by the commands ----------------------------------------------------------------------
 
-def read_text(path: str) -> str:
+def read_text(path: str, flag: str = "--text") -> str:
+    """The UTF-8 text of the file ``flag`` names; an unreadable, non-UTF-8 or empty file is
+    one line."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise CliError(f"cannot read --text {path}: {e.strerror}") from None
+        raise CliError(f"cannot read {flag} {path}: {e.strerror}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise CliError(f"--text {path} is not UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset "
+        raise CliError(f"{flag} {path} is not UTF-8 (invalid byte 0x{raw[e.start]:02x} at offset "
                        f"{e.start}); convert it first, e.g. iconv -f LATIN1 -t UTF-8") from None
     if not text.strip():
-        raise CliError(f"--text {path} is empty: nothing to score")
+        raise CliError(f"{flag} {path} is empty: nothing to read")
     return text
 
 
@@ -122,15 +170,25 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
     """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError.
     ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`;
     ``keep_quantized``: a GGUF file's 4- and 8-bit linears kept as they are."""
+    import time
+
+    import jax
+
     from ..io import TOKENIZER_DIR, load_model, reader_for
     from ..quant import decode_weights
     if keep_quantized and weights != "stored":
         raise CliError(f"--weights {weights} converts float weights; --keep-quantized keeps "
                        f"the file's codes: give one of them")
+    from ..progress import say
+    say(f"loading {model} ...")
+    t0 = time.perf_counter()
     try:
         cfg, params, tok = load_model(model, keep_quantized=keep_quantized)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(flag_names(e)) from None
+    n = sum(x.size for x in jax.tree.leaves(params))
+    say(f"loaded {model} ({cfg.family}, {cfg.num_layers} layers, {n / 1e6:.0f}M weights) in "
+        f"{time.perf_counter() - t0:.1f} s")
     if weights != "stored":
         try:
             params = decode_weights(params, weights)
@@ -231,6 +289,57 @@ def seed_int(text: str) -> int:
     return v
 
 
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    from ..argtypes import real
+    p.add_argument("--max-new-tokens", type=COUNT, default=max_new_tokens,
+                   help="most tokens generated per prompt or answer")
+    p.add_argument("--temperature", type=real(0.0), default=0.0,
+                   help="sampling temperature; 0 is greedy decoding")
+    p.add_argument("--top-k", type=SIZE, default=0,
+                   help="sample from the k most likely tokens only (0: no limit)")
+    p.add_argument("--top-p", type=real(0.0, 1.0, lo_open=True), default=1.0,
+                   help="nucleus sampling: the smallest set of tokens with this much probability")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed for sampling")
+
+
+def sampling(a, tok):
+    """The SamplingConfig of the sampling flags, stopping at the tokenizer's end token."""
+    from ..generate import SamplingConfig
+    try:
+        return SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                              top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
+
+
+def seed_key(seed: int):
+    import jax
+    return jax.random.key(seed)
+
+
+def streaming_cache(a, cfg, pc, prompt_tokens: int = 0):
+    """``(cache, capacity)`` for generating with policy ``pc``: a model whose positions cannot
+    stream gets a dense cache of --cache tokens instead (said on stderr). Fractional eviction
+    budgets are of ``prompt_tokens``."""
+    from ..policy import Dense
+    from ..positions import can_stream
+    try:
+        if not can_stream(cfg):
+            if a.method != "streaming":
+                check_streamable(cfg, pc)  # position rolling needs RoPE or ALiBi: refuse
+            print(f"note: {cfg.family} cannot stream; using a dense cache of {pc.cache} tokens",
+                  file=sys.stderr)
+            slots, pc = pc.cache, Dense(pc.storage)
+        else:
+            pc = pc.resolve(max(prompt_tokens, 1))
+            slots = pc.cache
+        pc.check(cfg, slots)
+        cache = pc.make_cache(cfg, 1, slots)
+    except ValueError as e:
+        raise CliError(flag_names(e)) from None
+    return cache, cache.capacity
+
+
 class _FlagNames(dict):
     """Every setting a library error names (jaxllm.errors.SettingError), spelled as its flag:
     kv_bits is --kv-bits."""
@@ -250,18 +359,37 @@ def flag_names(e: Exception) -> str:
 
 def policy(a):
     """The cache policy of --method/--sinks/--cache, the eviction budgets and the --kv-* flags
-    (jaxllm.policy.policy_of: a flag the method does not take is refused by name)."""
-    from ..policy import METHODS, own_settings, policy_of
+    (jaxllm.policy.policy_of). A flag the method does not take is named in one line on stderr
+    and ignored, so one command line serves every method."""
+    from ..errors import SettingError
+    from ..policy import METHODS, not_taken, own_settings, policy_of
     if a.method not in a.methods:
         raise CliError(f"unknown --method {a.method!r}; choose one of {', '.join(a.methods)}")
     cls = METHODS[a.method]
-    settings = {k: getattr(a, k) for k in ("sinks", "cache", *own_settings(a.methods))}
-    if a.cache is None and "cache" in cls.__dataclass_fields__:
+    fields = cls.__dataclass_fields__
+    settings = {}
+    for k in ("sinks", "cache", *own_settings(a.methods)):
+        v = getattr(a, k)
+        if v is not None and k not in fields:
+            _ignored(not_taken(a.method, k, v))
+        elif v is not None:
+            settings[k] = v
+    if a.cache is None and "cache" in fields:
         settings["cache"] = a.cache_default
+    stored, dtype = _stored(a, cls), a.kv_dtype
+    if "storage" not in fields and (stored is not None or dtype is not None):
+        _ignored(f"--method {a.method} keeps no KV cache between predictions, so --kv-quant and "
+                 f"--kv-dtype do not apply")
+        stored = dtype = None
     try:
-        return policy_of(a.method, kv_quant=_stored(a, cls), kv_dtype=a.kv_dtype, **settings)
-    except ValueError as e:
+        return policy_of(a.method, kv_quant=stored, kv_dtype=dtype, **settings)
+    except (ValueError, SettingError) as e:
         raise CliError(flag_names(e)) from None
+
+
+def _ignored(message) -> None:
+    print(f"note: {flag_names(message) if not isinstance(message, str) else message}; "
+          f"ignored", file=sys.stderr)
 
 
 def _stored(a, cls):

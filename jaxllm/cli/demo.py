@@ -35,7 +35,8 @@ def cmd_demo(a) -> None:
     import time
 
     from ..corpus import builtin_corpus
-    from ..demo import DemoConfig, explain, format_table, run_demo, write_result
+    from ..demo import (DemoConfig, explain, explain_chats, format_table, run_chats, run_demo,
+                        write_result)
     t0 = time.perf_counter()
     for flag, v in (("--tokens", a.tokens), ("--positions", a.positions)):
         if v < 1:
@@ -62,10 +63,19 @@ def cmd_demo(a) -> None:
                        f"{len(ids) // 2} (the rest calibrates INT8)")
     # The stream is the corpus' first tokens; INT8 calibrates on its second half.
     res = run_demo(models, ids[:dc.tokens], ids[len(ids) // 2:], dc, a.out)
-    res["wall_s"] = round(time.perf_counter() - t0, 1)  # loading, compiling and running
+    # Written before the chat: an interrupted or failed chat leaves the scoring's results.
+    res["wall_s"] = round(time.perf_counter() - t0, 1)  # loading, compiling and scoring
     write_result(res, a.out)
     print("\n" + format_table(res))
     print("\n" + explain(res))
+    print(f"\nwrote {a.out}/demo.json and {a.out}/demo.png ({res['wall_s']:.0f} s)", flush=True)
+    run_chats(models, dc, res)
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    write_result(res, a.out)
+    chats = explain_chats(res)
+    if chats:
+        print("\n" + chats)
     for label, text in res["generations"].items():
         print(f"\n[{label}, {dc.generation_policy.label}] >>> {dc.prompt}{text}")
-    print(f"\nwrote {a.out}/demo.json and {a.out}/demo.png ({res['wall_s']:.0f} s in all)")
+    print(f"\nadded the chat to {a.out}/demo.json ({res['wall_s']:.0f} s in all)")
+    print("next: jaxllm chat (a conversation of your own), jaxllm ppl --text FILE (your text)")

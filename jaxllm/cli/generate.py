@@ -3,29 +3,25 @@ from __future__ import annotations
 
 import sys
 
-
-from ..argtypes import COUNT, SIZE, real
-from ..policy import METHODS, Dense
-from .common import (CliError, DEFAULT_MODEL, MODEL_HELP, add_policy_args, add_weights_arg,
-                     check_streamable, flag_names, load, policy, seed_int)
+from ..policy import METHODS
+from .common import (CliError, DEFAULT_MODEL, MODEL_HELP, add_policy_args, add_sampling_args,
+                     add_weights_arg, flag_names, load, policy, read_text, sampling, seed_key,
+                     streaming_cache)
 
 
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text; several --prompt are rounds of one chat")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    p.add_argument("--prompt", action="append", required=True,
-                   help="text to continue; repeat for several rounds sharing one cache")
-    p.add_argument("--max-new-tokens", type=COUNT, default=64, help="tokens generated per prompt")
-    p.add_argument("--temperature", type=real(0.0), default=0.0,
-                   help="sampling temperature; 0 is greedy decoding")
-    p.add_argument("--top-k", type=SIZE, default=0,
-                   help="sample from the k most likely tokens only (0: no limit)")
-    p.add_argument("--top-p", type=real(0.0, 1.0, lo_open=True), default=1.0,
-                   help="nucleus sampling: the smallest set of tokens with this much probability")
-    p.add_argument("--seed", type=seed_int, default=0, help="random seed for sampling")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="text to continue; repeat for several rounds sharing one cache; - reads "
+                        "stdin")
+    p.add_argument("--prompt-file", action="append", default=[],
+                   help="a UTF-8 file whose text is a prompt (repeatable, after any --prompt)")
+    add_sampling_args(p, max_new_tokens=64)
     p.add_argument("--chat", action="store_true",
-                   help="each --prompt is a question to the model in its chat template; the "
-                        "rounds share one cache, and each prints its answer and the cache's fill")
+                   help="each prompt is a question to the model in its chat template; the "
+                        "rounds share one cache, and each prints its answer and the cache's fill "
+                        "(jaxllm chat is the interactive form)")
     # A cache that streams: generation runs past any fixed length.
     add_policy_args(p, methods=[m for m, c in METHODS.items() if c.keeps_cache and c.streams],
                     chunk=False)
@@ -33,36 +29,30 @@ def add_generate(sub) -> None:
     p.set_defaults(fn=cmd_generate)
 
 
+def prompts(a) -> list[str]:
+    """The prompts of --prompt (``-``: stdin) and --prompt-file, in that order."""
+    out = [sys.stdin.read() if p == "-" else p for p in a.prompt]
+    out += [read_text(path, "--prompt-file") for path in a.prompt_file]
+    if not out:
+        raise CliError("give a --prompt TEXT (- reads stdin) or a --prompt-file FILE")
+    return out
+
+
 def cmd_generate(a) -> None:
     import jax
     import jax.numpy as jnp
 
-    from ..generate import SamplingConfig, generate
-    from ..positions import can_stream
+    from ..generate import generate
+    texts = prompts(a)
     pc = policy(a)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
-    try:
-        sc = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                            top_k=a.top_k, top_p=a.top_p, eos_id=tok.eos_id)
-        if not can_stream(cfg):
-            if a.method != "streaming":
-                check_streamable(cfg, pc)  # position rolling needs RoPE or ALiBi: refuse
-            print(f"note: {cfg.family} cannot stream; using a dense cache of {pc.cache} tokens",
-                  file=sys.stderr)
-            slots, pc = pc.cache, Dense(pc.storage)
-        else:
-            # Fractional budgets are of the (first) prompt, as the authors' ratio of its length.
-            pc = pc.resolve(len(tok.encode(a.prompt[0])))
-            slots = pc.cache
-        pc.check(cfg, slots)
-        cache = pc.make_cache(cfg, 1, slots)
-    except ValueError as e:
-        raise CliError(flag_names(e)) from None
-    key = jax.random.key(a.seed)
+    sc = sampling(a, tok)
+    cache, _ = streaming_cache(a, cfg, pc, len(tok.encode(texts[0])))
+    key = seed_key(a.seed)
     if a.chat:
-        _chat_rounds(a, cfg, params, tok, cache, sc, key)
+        _chat_rounds(a, texts, cfg, params, tok, cache, sc, key)
         return
-    for i, prompt in enumerate(a.prompt):  # each prompt is one round; the cache carries over
+    for i, prompt in enumerate(texts):  # each prompt is one round; the cache carries over
         ids = tok.encode(prompt)
         if not ids:
             raise CliError(f"prompt {i + 1} is empty")
@@ -77,19 +67,20 @@ def cmd_generate(a) -> None:
         print(("\n" if i else "") + prompt + tok.decode(list(res.tokens[0, :n])), flush=True)
 
 
-def _chat_rounds(a, cfg, params, tok, cache, sc, key) -> None:
-    from ..chat import chat
-    if not getattr(tok, "has_chat_template", False):
-        raise CliError(f"--chat: {a.model}'s tokenizer has no chat template (a base or "
-                       f"byte-level model); leave out --chat to continue the prompts as text")
-    if not all(q.strip() for q in a.prompt):
-        raise CliError("--chat: a --prompt is empty")
-
-    def show(r):
-        print(f"> {r.question}\n{r.answer}\n  [{r.seen} tokens so far; the cache holds "
-              f"{r.held} of {cache.capacity}: {r.kv_bytes / 2 ** 20:.2f} MiB of keys and "
-              f"values]", flush=True)
+def _chat_rounds(a, texts, cfg, params, tok, cache, sc, key) -> None:
+    from ..chat import Chat
+    if not all(q.strip() for q in texts):
+        raise CliError("--chat: a prompt is empty")
     try:
-        chat(params, cfg, tok, a.prompt, cache, sc, key, on_round=show)
+        c = Chat(params, cfg, tok, cache, sc, key)
     except ValueError as e:
-        raise CliError(str(e)) from None
+        raise CliError(f"--chat: {flag_names(e)}; leave out --chat to continue the prompts as "
+                       f"text") from None
+    for q in texts:
+        try:
+            r = c.send(q)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        print(f"> {r.question}\n{r.answer}\n  [{r.seen} tokens so far; the cache holds "
+              f"{r.held} of {c.cache.capacity}: {r.kv_bytes / 2 ** 20:.2f} MiB of keys and "
+              f"values; {r.tokens_per_s:.1f} tok/s]", flush=True)

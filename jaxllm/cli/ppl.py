@@ -19,11 +19,26 @@ def add_ppl(sub) -> None:
                           "--text is given")
     add_policy_args(p)
     add_weights_arg(p)
-    p.add_argument("--max-tokens", type=SIZE, default=0, help="score at most N tokens (0 = all)")
+    p.add_argument("--max-tokens", type=_max_tokens, default=DEFAULT_MAX_TOKENS,
+                   help="score the text's first N tokens, or all of it ('all')")
     p.add_argument("--json", help="write the summary here")
     p.add_argument("--plot", help="write the NLL-vs-position plot here (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_ppl)
+
+
+DEFAULT_MAX_TOKENS = 4096  # minutes on a laptop CPU for SmolLM2; the whole corpus takes hours
+
+
+def _max_tokens(text: str):
+    """--max-tokens: N >= 2, or 'all' (None)."""
+    import argparse
+    if text == "all":
+        return None
+    v = SIZE(text)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"--max-tokens must be >= 2 or 'all', got {text}")
+    return v
 
 
 def cmd_ppl(a) -> None:
@@ -35,9 +50,9 @@ def cmd_ppl(a) -> None:
     check_files({"--json": a.json, "--plot": a.plot}, srcs)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
     ids = tok.encode(text)
-    if a.max_tokens:
-        if a.max_tokens < 2:
-            raise CliError("--max-tokens must be >= 2")
+    if a.max_tokens is not None and len(ids) > a.max_tokens:
+        print(f"scoring the first {a.max_tokens:,} of the text's {len(ids):,} tokens "
+              f"(--max-tokens all scores it all)", file=sys.stderr)
         ids = ids[:a.max_tokens]
     if len(ids) < 2:
         raise CliError("the text has fewer than 2 tokens: nothing to score")

@@ -42,8 +42,8 @@ def add_quantize(sub) -> None:
     p.add_argument("--int8-attention", action="store_true",
                    help="also run the attention products QK^T and PV in INT8")
     p.add_argument("--float-embedding", action="store_true",
-                   help="keep the embedding table in float (the SmoothQuant authors' setting; "
-                        "by default it is int8 per row)")
+                   help="keep the embedding table (and a tied head) in float (the SmoothQuant "
+                        "authors' setting; by default it is int8 per row, for every scheme)")
     p.add_argument("--float-head", action="store_true",
                    help="keep the output head in float (the SmoothQuant authors' setting; by "
                         "default it is per-channel W8 with per-token activations)")
@@ -64,7 +64,7 @@ def add_quantize(sub) -> None:
 
 
 SMOOTHQUANT_FLAGS = ("alpha", "no_smooth", "smooth_down", "per_channel_weights",
-                     "int8_attention", "float_embedding", "float_head", "fake")
+                     "int8_attention", "float_head", "fake")
 LOWBIT_FLAGS = ("bits", "group", "sym", "act_order", "true_sequential", "damp")
 
 
@@ -110,7 +110,8 @@ def cmd_quantize_lowbit(a, cfg, params, tok) -> None:
         except ValueError as e:
             raise CliError(str(e)) from None
     try:
-        q, info = gptq.quantize_model(params, cfg, calib, qcfg, progress=not a.quiet)
+        q, info = gptq.quantize_model(params, cfg, calib, qcfg, progress=not a.quiet,
+                                      int8_embedding=not a.float_embedding)
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok,
                    format=a.format, overwrite=a.overwrite, sources=sources(a.model))
     except ValueError as e:
@@ -119,8 +120,9 @@ def cmd_quantize_lowbit(a, cfg, params, tok) -> None:
     print(f"quantized {a.model} with {a.scheme}, {qcfg.bits}-bit, "
           f"{'per channel' if not qcfg.group else f'groups of {qcfg.group}'}"
           f"{', act-order' if qcfg.act_order else ''}: linears {mib(info['linear_bytes']):.1f} "
-          f"MiB (float32 {mib(info['float_linear_bytes']):.1f}), embedding, head and norms as "
-          f"loaded {mib(info['other_bytes']):.1f} MiB -> {a.out}")
+          f"MiB (float32 {mib(info['float_linear_bytes']):.1f}), embedding "
+          f"{'as loaded' if a.float_embedding else 'int8 per row'}, head and norms "
+          f"{mib(info['other_bytes']):.1f} MiB -> {a.out}")
     if a.json:
         write_json(a.json, dict(info, model=a.model, calib_seqs=len(calib), seq_len=a.seq_len),
                    a.json_sources)

@@ -32,7 +32,7 @@ METHODS: dict[str, type[CachePolicy]] = {
     p.name: p for p in (Dense, Window, StreamingLLM, Recompute, H2O, QHitter)}
 
 __all__ = ["CachePolicy", "Dense", "H2O", "KVStorage", "KV_DTYPES", "METHODS", "QHITTER_KV",
-           "QHitter", "Recompute", "StreamingLLM", "Window", "own_settings", "policy_of",
+           "not_taken", "QHitter", "Recompute", "StreamingLLM", "Window", "own_settings", "policy_of",
            "setting"]
 
 
@@ -59,7 +59,7 @@ def policy_of(method: str, *, kv_quant=None, kv_dtype=None, **settings) -> Cache
     given = {k: v for k, v in settings.items() if v is not None}
     for k in given:
         if k not in fields:
-            raise SettingError(_not_taken(method, k, given[k]))
+            raise not_taken(method, k, given[k])
     if kv_quant is not None or kv_dtype is not None:
         if "storage" not in fields:
             raise SettingError(f"{P.method} {method} keeps no KV cache between predictions: "
@@ -71,7 +71,12 @@ def policy_of(method: str, *, kv_quant=None, kv_dtype=None, **settings) -> Cache
     return cls(**given)
 
 
-def _not_taken(method: str, setting: str, value) -> str:
+def not_taken(method: str, setting: str, value) -> SettingError:
+    """The error for a ``setting`` that ``method`` does not have, naming the methods that do."""
+    return SettingError(_not_taken_text(method, setting, value))
+
+
+def _not_taken_text(method: str, setting: str, value) -> str:
     takers = [m for m, c in METHODS.items() if setting in {f.name for f in dataclasses.fields(c)}]
     if not takers:
         own = [f.name for f in dataclasses.fields(METHODS[method])]

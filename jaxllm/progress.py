@@ -1,0 +1,128 @@
+"""What a run says while it works: compile time kept apart from run time, progress bars whose
+rate and ETA leave compilation out, and the persistent XLA compilation cache.
+
+JAX reports every trace, lowering and backend compile through ``jax.monitoring`` (with the
+program's name); :func:`watch_compiles` listens to those events, so timing, bars and messages
+need no hooks in the code that compiles.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import jax
+
+# jax.monitoring's duration events of one compilation, in the order they fire.
+_LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_COMPILED = "/jax/core/compile/backend_compile_duration"
+_STAGES = ("/jax/core/compile/jaxpr_trace_duration", _LOWERED, _COMPILED)
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+# Programs this quick to lower and compile are not announced (element-wise helpers, casts).
+ANNOUNCE_LOWERING_S = 0.2
+REPORT_COMPILE_S = 0.5
+
+
+def _name(kw: dict) -> str:
+    name = kw.get("fun_name", "a program")
+    return name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+
+
+@contextlib.contextmanager
+def watch_compiles(echo: Optional[Callable[[str], None]] = None):
+    """Yields a list whose one number is the seconds JAX spent tracing, lowering and compiling
+    inside the block (so a rate can leave them out). ``echo``: called with a line when a large
+    program starts compiling and when it is done (or came from the compilation cache)."""
+    spent = [0.0]
+    state = {"announced": set(), "hit": False}
+
+    def on_duration(event, secs, **kw):
+        if event not in _STAGES:
+            return
+        spent[0] += secs
+        if echo is None:
+            return
+        name = _name(kw)
+        if event == _LOWERED and secs >= ANNOUNCE_LOWERING_S:
+            state["announced"].add(name)
+            echo(f"compiling {name} ...")
+        elif event == _COMPILED and (name in state["announced"] or secs >= REPORT_COMPILE_S):
+            state["announced"].discard(name)
+            how = "from the compilation cache" if state["hit"] else "compiled"
+            echo(f"{name}: {how} in {secs:.1f} s")
+            state["hit"] = False
+
+    def on_event(event, **kw):
+        if event == _CACHE_HIT:
+            state["hit"] = True
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        yield spent
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_event_listener(on_event)
+
+
+@contextlib.contextmanager
+def bar(**kwargs):
+    """A tqdm progress bar (``kwargs``) whose rate and ETA leave compilation out: the time each
+    compile takes while it is open is added to its start, as if its clock had stopped."""
+    from tqdm.auto import tqdm
+    b = tqdm(**kwargs)
+
+    def on_duration(event, secs, **kw):
+        if event in _STAGES and not b.disable:  # a disabled bar keeps no clock
+            b.start_t += secs
+            b.last_print_t += secs
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield b
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        b.close()
+
+
+def say(line: str) -> None:
+    """One status line on stderr, above any progress bar."""
+    from tqdm.auto import tqdm
+    tqdm.write(line, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def timed(what: str, echo: Callable[[str], None] = say):
+    """``echo`` "WHAT ..." before the block and "WHAT: done in S s" after it."""
+    echo(f"{what} ...")
+    t0 = time.perf_counter()
+    yield
+    echo(f"{what}: done in {time.perf_counter() - t0:.1f} s")
+
+
+def default_cache_dir() -> str:
+    """Where the CLI keeps compiled programs: $JAXLLM_CACHE_DIR/xla, else
+    $XDG_CACHE_HOME/jaxllm/xla, else ~/.cache/jaxllm/xla."""
+    root = os.environ.get("JAXLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "jaxllm")
+    return os.path.join(root, "xla")
+
+
+def use_compile_cache(path: str) -> bool:
+    """Keep compiled programs in ``path`` across runs (JAX's persistent compilation cache),
+    unless a cache directory is set already (JAX_COMPILATION_CACHE_DIR, or by the caller).
+    Programs that compiled in under half a second are not kept. False if ``path`` cannot be
+    made (the run goes on without the cache)."""
+    if jax.config.jax_compilation_cache_dir:
+        return True
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return False
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", REPORT_COMPILE_S)
+    return True

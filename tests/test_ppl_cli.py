@@ -236,3 +236,16 @@ def test_cli_decode_weights(tmp_path, capsys):
     jaxllm.save_model(str(tmp_path / "h"), cfg, q)
     assert main(["ppl", "--model", str(tmp_path / "h"), "--weights", "float16", "--quiet"]) == 2
     assert "--weights float16: these params hold quantized" in capsys.readouterr().err
+
+
+def test_misspelt_flags_and_commands_get_a_suggestion(capsys):
+    """No abbreviations (--max-token is not --max-tokens), a "did you mean" for a misspelt flag
+    or command, and --version."""
+    assert main(["ppl", "--max-token", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --max-token" in err and "did you mean --max-tokens" in err
+    assert main(["gnerate"]) == 2
+    assert "did you mean generate?" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("jaxllm ")

@@ -89,7 +89,11 @@ def bar(**kwargs):
 
 
 def say(line: str) -> None:
-    """One status line on stderr, above any progress bar."""
+    """One status line on stderr, above any progress bar, when stderr is a terminal (as git
+    shows its progress): a log or a script reading stderr gets only results, warnings and
+    one-line errors."""
+    if not sys.stderr.isatty():
+        return
     from tqdm.auto import tqdm
     tqdm.write(line, file=sys.stderr)
 

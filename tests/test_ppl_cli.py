@@ -126,7 +126,8 @@ def test_cli_bad_input(tmp_path, capsys, content, args, msg):
 
 def test_a_flag_the_method_does_not_take_is_named_and_ignored(tmp_path, capsys):
     """One command line serves every method: --sinks and --heavy on a window cache, --cache on a
-    dense one, each named on stderr and ignored (the perplexity is the one without them)."""
+    dense one, --kv-quant where no cache is kept, each named on stderr and ignored (the
+    perplexity is the one without them)."""
     base = ["ppl", "--model", "random:pythia-tiny", "--max-tokens", "60", "--quiet"]
     got = {}
     for name, extra in (("window", ["--method", "window", "--cache", "16"]),
@@ -134,17 +135,23 @@ def test_a_flag_the_method_does_not_take_is_named_and_ignored(tmp_path, capsys):
                                      "--heavy", "8"]),
                         ("dense", ["--method", "dense"]),
                         ("dense+", ["--method", "dense", "--cache", "16", "--kv-dtype",
-                                    "float32"])):
+                                    "float32"]),
+                        ("recompute", ["--method", "recompute", "--cache", "16"]),
+                        ("recompute+", ["--method", "recompute", "--cache", "16",
+                                        "--kv-quant", "int8"])):
         path = tmp_path / f"{name}.json"
         assert main(base + extra + ["--json", str(path)]) == 0
         got[name] = json.loads(path.read_text())["ppl"]
         got[name + " err"] = capsys.readouterr().err
     assert got["window+"] == got["window"] and got["dense+"] == got["dense"]
+    assert got["recompute+"] == got["recompute"]
     notes = [ln for ln in got["window+ err"].splitlines() if ln.startswith("note: --")]
     assert notes == ["note: --method window keeps no sink tokens (got --sinks 4); use --method "
                      "streaming or recompute or h2o or qhitter for sinks; ignored",
                      "note: --heavy applies to --method h2o or qhitter, not window; ignored"]
     assert "note: --cache applies to" in got["dense+ err"] and "ignored" in got["dense+ err"]
+    assert ("note: --method recompute keeps no KV cache between predictions, so --kv-quant and "
+            "--kv-dtype do not apply; ignored") in got["recompute+ err"]
 
 
 def test_cli_generate_rounds(capsys):

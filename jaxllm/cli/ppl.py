@@ -23,7 +23,8 @@ def add_ppl(sub) -> None:
                    help="score the text's first N tokens, or all of it ('all')")
     p.add_argument("--json", help="write the summary here")
     p.add_argument("--plot", help="write the NLL-vs-position plot here (PNG)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar, no line saying how much of the text is scored")
     p.set_defaults(fn=cmd_ppl)
 
 
@@ -51,8 +52,9 @@ def cmd_ppl(a) -> None:
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
     ids = tok.encode(text)
     if a.max_tokens is not None and len(ids) > a.max_tokens:
-        print(f"scoring the first {a.max_tokens:,} of the text's {len(ids):,} tokens "
-              f"(--max-tokens all scores it all)", file=sys.stderr)
+        if not a.quiet:
+            print(f"scoring the first {a.max_tokens:,} of the text's {len(ids):,} tokens "
+                  f"(--max-tokens all scores it all)", file=sys.stderr)
         ids = ids[:a.max_tokens]
     if len(ids) < 2:
         raise CliError("the text has fewer than 2 tokens: nothing to score")

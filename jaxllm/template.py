@@ -9,8 +9,8 @@ template reaching outside; it does not stop one from running forever or filling 
 
 - every render has a time limit (checked as the template's Python code runs);
 - ``range`` yields at most :data:`MAX_ITEMS` numbers, ``*`` and ``%`` may not build a string or
-  list longer than :data:`MAX_CHARS`, no number passed to a call or a filter exceeds it, nor a
-  width in a ``format`` string; ``lipsum`` is gone;
+  list longer than :data:`MAX_CHARS`, no number passed to a call or a filter exceeds it (the
+  value a filter is applied to aside), nor a width in a ``format`` string; ``lipsum`` is gone;
 - the rendered text may not exceed :data:`MAX_CHARS` plus four times the messages' own text.
 
 Breaking a bound, or any error in the template, is a :class:`TemplateError` (a ValueError) that
@@ -94,10 +94,27 @@ def _env():
         return r
 
     env.filters["tojson"] = tojson
+    # Filters are called directly by the compiled template, not through ``call``: their numeric
+    # arguments (``center(2000000000)``, ``indent``, ``batch``) get the same bound here, before
+    # str.center or the like allocates in C where the time limit cannot reach.
+    env.filters = {k: _bounded_filter(k, f) for k, f in env.filters.items()}
     env.globals.pop("lipsum", None)
     env.globals.update(raise_exception=raise_exception, range=bounded_range,
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     return env
+
+
+def _bounded_filter(name, f):
+    import functools
+    skip = 2 if getattr(f, "jinja_pass_arg", None) else 1  # the context (if passed), the value
+
+    @functools.wraps(f)  # keeps jinja_pass_arg, so jinja2 still passes the context
+    def checked(*args, **kwargs):
+        for v in (*args[skip:], *kwargs.values()):
+            if isinstance(v, int) and not isinstance(v, bool):
+                _check_size(abs(v), f"a number passed to the filter {name}")
+        return f(*args, **kwargs)
+    return checked
 
 
 def _check_size(n: int, what: str) -> None:

@@ -46,6 +46,7 @@ HOSTILE = {
     "format width": "{{ '{:>2000000000}'.format(1) }}",
     "percent width": "{{ '%2000000000d' % 1 }}",
     "center": "{{ 'x' | center(2000000000) }}",
+    "indent": "{{ 'x\ny' | indent(width=2000000000) }}",
     "output": "{% for i in range(9000) %}{{ 'y' * 1000 }}{% endfor %}",
     "power": "{{ 10 ** 100000000 }}",
     "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",

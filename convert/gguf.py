@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format) in: the model, its tokenizer and its chat template.
 
-Read with the ``gguf`` package (llama.cpp's own Python reader: ``GGUFReader``, and
-``gguf.quants`` to dequantize). Each tensor is dequantized at load to float32 (or bfloat16) and
+The container is read by :mod:`convert.gguf_file` (memory-mapped, every size checked); the
+k-quants (Q4_K, Q5_K, Q6_K) are dequantized by the ``gguf`` package's ``gguf.quants``, the
+32-weight block types by :func:`block_codes` here. Each tensor is dequantized at load to float32 (or bfloat16) and
 renamed to its Hugging Face name, and the metadata becomes an HF ``config.json`` dict, so the
 conversion itself is the Hugging Face one (convert.hf.from_tensors): its name map, shape checks
 and family rules. Llama-architecture files (Llama, Mistral-style, SmolLM2) are read; anything
@@ -70,27 +71,15 @@ def is_gguf(path: str) -> bool:
 
 
 def _reader(path: str):
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from None
-    if not is_gguf(path):
-        raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:  # a truncated or damaged file
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    from .gguf_file import GGUFFile
+    return GGUFFile(path)
 
 
 def _meta(reader) -> dict:
     """Every metadata field's value, except the tokenizer's long arrays (read apart)."""
-    out = {}
-    for k, f in reader.fields.items():
-        if k.startswith("GGUF.") or k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                                          "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            continue
-        out[k] = f.contents()
-    return out
+    return {k: v for k, v in reader.fields.items()
+            if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                         "tokenizer.ggml.token_type", "tokenizer.ggml.scores")}
 
 
 def hf_config(meta: dict, tensor_shapes: dict, where: str) -> dict:
@@ -153,15 +142,25 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def dequantized(tensor) -> np.ndarray:
     """A GGUF tensor as float32, in numpy's order (GGUF lists dimensions fastest first)."""
-    from gguf import GGMLQuantizationType, quants
-    kind = GGMLQuantizationType(tensor.tensor_type).name
+    kind = tensor.kind
     if kind not in TYPES:
         raise ValueError(f"tensor {tensor.name} is GGUF type {kind}, which is not read "
                          f"(jaxllm reads {', '.join(TYPES)})")
-    shape = _shape(tensor)
+    shape = tensor.shape
     if kind == "F32":
-        return np.asarray(tensor.data, np.float32).reshape(shape)
-    return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
+        return tensor.data.view("<f4").reshape(shape)
+    if kind == "F16":
+        return tensor.data.view("<f2").astype(np.float32).reshape(shape)
+    if kind in _BLOCKS:
+        codes, scale, offset, _ = block_codes(tensor)
+        out, n = shape
+        w = codes.reshape(out, n // 32, 32).astype(np.float32)
+        w *= scale[..., None]
+        w += offset[..., None]
+        return w.reshape(shape)
+    from gguf import GGMLQuantizationType, quants
+    return np.asarray(quants.dequantize(tensor.data, GGMLQuantizationType[kind]),
+                      np.float32).reshape(shape)
 
 
 # Block layouts (bytes per block of 32): a float16 scale d, Q4_1's float16 minimum m, then the
@@ -175,11 +174,10 @@ _LINEARS = {"attn_q": "attn/q", "attn_k": "attn/k", "attn_v": "attn/v", "attn_ou
 def block_codes(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(codes [out, in] uint8, scale, offset [out, in / 32] float32, bits) of a Q4_0, Q4_1 or
     Q8_0 tensor, read from its blocks: ŵ = code·scale + offset per block of 32."""
-    from gguf import GGMLQuantizationType
-    kind = GGMLQuantizationType(tensor.tensor_type).name
+    kind = tensor.kind
     size, has_min = _BLOCKS[kind]
-    out, n = _shape(tensor)
-    raw = np.asarray(tensor.data, np.uint8).reshape(out, n // 32, size)
+    out, n = tensor.shape
+    raw = tensor.data.reshape(out, n // 32, size)
     d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q8_0":
         q = raw[..., 2:].copy().view(np.int8).astype(np.int16) + 128
@@ -191,14 +189,15 @@ def block_codes(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 
 
 def from_gguf(path: str, *, dtype=np.float32, progress: bool = False,
-              keep_quantized: bool = False) -> tuple[ModelConfig, dict]:
+              keep_quantized: bool = False, reader=None) -> tuple[ModelConfig, dict]:
     """``(cfg, params)`` of a GGUF file, its tensors dequantized to ``dtype``; with
-    ``keep_quantized`` its Q4_0/Q4_1/Q8_0 linears as low-bit nodes (the module's note)."""
+    ``keep_quantized`` its Q4_0/Q4_1/Q8_0 linears as low-bit nodes (the module's note).
+    ``reader``: the file already opened (convert.gguf_file.GGUFFile)."""
     from .hf import from_tensors
     path = os.fspath(path)
-    reader = _reader(path)
-    tensors = {t.name: t for t in reader.tensors}
-    hf_cfg = hf_config(_meta(reader), {n: _shape(t) for n, t in tensors.items()}, path)
+    reader = reader or _reader(path)
+    tensors = reader.tensors
+    hf_cfg = hf_config(_meta(reader), {n: t.shape for n, t in tensors.items()}, path)
     unmapped = sorted(n for n in tensors if hf_name(n) is None)
     if unmapped:
         raise ValueError(f"{path}: tensors {', '.join(unmapped[:6])} are not read (not part of "
@@ -208,14 +207,12 @@ def from_gguf(path: str, *, dtype=np.float32, progress: bool = False,
 
     kept = set()
     if keep_quantized:  # replaced below by their codes: not dequantized only to be dropped
-        from gguf import GGMLQuantizationType
         kept = {hf_name(n) for n, t in tensors.items() if n.split(".")[2:3] and
-                n.split(".")[2] in _LINEARS and
-                GGMLQuantizationType(t.tensor_type).name in _BLOCKS}
+                n.split(".")[2] in _LINEARS and t.kind in _BLOCKS}
 
     def get(name: str) -> np.ndarray:
         if name in kept:
-            return np.broadcast_to(np.float32(0), _shape(tensors[by_hf[name]]))
+            return np.broadcast_to(np.float32(0), tensors[by_hf[name]].shape)
         a = dequantized(tensors[by_hf[name]])
         proj = name.split(".")[-2]
         return unpermute(a, heads[proj]) if proj in heads else a
@@ -227,15 +224,13 @@ def from_gguf(path: str, *, dtype=np.float32, progress: bool = False,
 
 
 def _keep_quantized(params, tensors: dict, heads: dict):
-    from gguf import GGMLQuantizationType
-
     from jaxllm import lowbit, tree
     flat = tree.flatten(params)
     proj = {"attn_q": heads["q_proj"], "attn_k": heads["k_proj"]}
     for name, t in tensors.items():
         parts = name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LINEARS or \
-                GGMLQuantizationType(t.tensor_type).name not in _BLOCKS:
+                t.kind not in _BLOCKS:
             continue
         arrays = block_codes(t)[:3]
         if parts[2] in proj:  # llama.cpp's query/key row order, undone row by row
@@ -251,22 +246,15 @@ def _keep_quantized(params, tensors: dict, heads: dict):
     return tree.unflatten(flat)
 
 
-def _shape(tensor) -> tuple[int, ...]:
-    """A GGUF tensor's shape in numpy's order (GGUF lists dimensions fastest first)."""
-    return tuple(int(n) for n in reversed(tensor.shape))
-
-
 def _strings(reader, key: str) -> list[str]:
-    f = reader.fields.get(key)
-    return [] if f is None else list(f.contents())
+    v = reader.fields.get(key, [])
+    return v if isinstance(v, list) else []
 
 
-def tokenizer_from_gguf(path: str):
-    """The file's tokenizer and chat template, as a ``transformers.PreTrainedTokenizerFast``
-    (built with ``tokenizers``; transformers' own GGUF tokenizer path needs torch)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-    reader = _reader(path)
+def _tokenizer_parts(path: str, reader):
+    """(the ``tokenizers.Tokenizer``, transformers' special-token arguments, the control tokens,
+    the chat template) of the file's metadata."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     meta = _meta(reader)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -278,8 +266,7 @@ def tokenizer_from_gguf(path: str):
                          f"{', '.join(sorted(PRE_SPLITS))})")
     tokens = _strings(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _strings(reader, "tokenizer.ggml.merges")]
-    types = list(reader.fields["tokenizer.ggml.token_type"].contents()) \
-        if "tokenizer.ggml.token_type" in reader.fields else [1] * len(tokens)
+    types = reader.fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
     core = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
                                 fuse_unk=False, byte_fallback=False))
     splits, gpt2_words = PRE_SPLITS[pre]
@@ -289,16 +276,26 @@ def tokenizer_from_gguf(path: str):
     core.decoder = decoders.ByteLevel()
     special = lambda key: (tokens[int(meta[key])] if key in meta  # noqa: E731
                            and 0 <= int(meta[key]) < len(tokens) else None)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token=special("tokenizer.ggml.bos_token_id"),
-        eos_token=special("tokenizer.ggml.eos_token_id"),
-        unk_token=special("tokenizer.ggml.unknown_token_id"),
-        pad_token=special("tokenizer.ggml.padding_token_id"),
-        chat_template=meta.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
+    named = {"bos_token": special("tokenizer.ggml.bos_token_id"),
+             "eos_token": special("tokenizer.ggml.eos_token_id"),
+             "unk_token": special("tokenizer.ggml.unknown_token_id"),
+             "pad_token": special("tokenizer.ggml.padding_token_id")}
     control = [t for t, kind in zip(tokens, types) if int(kind) == CONTROL]
+    return core, named, control, meta.get("tokenizer.chat_template"), \
+        bool(meta.get("tokenizer.ggml.add_bos_token", False))
+
+
+def tokenizer_from_gguf(path: str, reader=None):
+    """The file's tokenizer and chat template, as a ``transformers.PreTrainedTokenizerFast``
+    (built with ``tokenizers``; transformers' own GGUF tokenizer path needs torch)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    core, named, control, template, add_bos = _tokenizer_parts(path, reader or _reader(path))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, chat_template=template,
+                                  clean_up_tokenization_spaces=False, **named)
     if control:
         tok.add_special_tokens({"additional_special_tokens": control})
-    if meta.get("tokenizer.ggml.add_bos_token", False) and tok.bos_token:
+    if add_bos and tok.bos_token:
         # what llama.cpp does for such a file: BOS before every text encoded with special tokens
         tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{tok.bos_token} $A", pair=f"{tok.bos_token} $A $B",
@@ -306,16 +303,26 @@ def tokenizer_from_gguf(path: str):
     return tok
 
 
-def gguf_tokenizer(path: str):
-    """:func:`tokenizer_from_gguf` as jaxllm's Tokenizer (jaxllm.tokenizer.HFTokenizer)."""
+def gguf_tokenizer(path: str, reader=None):
+    """The file's tokenizer as jaxllm's Tokenizer (jaxllm.tokenizer.HFTokenizer) over the
+    ``tokenizers`` object itself; :func:`tokenizer_from_gguf`'s transformers tokenizer is made
+    only if it is asked for (to save it)."""
     from jaxllm.tokenizer import HFTokenizer
-    return HFTokenizer.of(tokenizer_from_gguf(path), os.path.abspath(path))
+    path = os.path.abspath(path)
+    reader = reader or _reader(path)
+    core, named, control, template, _ = _tokenizer_parts(path, reader)
+    specials = [t for t in named.values() if t is not None]
+    core.add_special_tokens(specials + [t for t in control if t not in specials])
+    special_map = {k: v for k, v in named.items() if v is not None}
+    return HFTokenizer.of_backend(core, path, special_map, template,
+                                  lambda: tokenizer_from_gguf(path, reader))
 
 
 def load(path: str, keep_quantized: bool = False):
-    """The reader's load: ``(cfg, params, tokenizer)``."""
-    cfg, params = from_gguf(path, keep_quantized=keep_quantized)
-    return cfg, params, gguf_tokenizer(path)
+    """The reader's load: ``(cfg, params, tokenizer)``, the file opened once."""
+    reader = _reader(path)
+    cfg, params = from_gguf(path, keep_quantized=keep_quantized, reader=reader)
+    return cfg, params, gguf_tokenizer(path, reader)
 
 
 # What lets jaxllm.load_model read a GGUF file: registered under the "jaxllm.model_readers"

@@ -45,10 +45,11 @@ class _SafetensorsDir:
 
     def __init__(self, path: str, stack: contextlib.ExitStack):
         from safetensors import SafetensorError, safe_open
+        from jaxllm.io import confined
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             from jaxllm.io import read_json
-            meta = read_json(index)
+            meta = read_json(confined(path, index, path))
             wm = meta.get("weight_map") if isinstance(meta, dict) else None
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise ValueError(f"{index} has no weight_map of tensor names to shard files "
@@ -64,6 +65,7 @@ class _SafetensorsDir:
         self.where: dict[str, object] = {}
         for name in files:
             fp = os.path.join(path, name)
+            confined(path, fp, path, f"weights file {name}")  # a symlink may point anywhere
             if not os.path.exists(fp):
                 raise FileNotFoundError(f"{index} lists {name}, which is missing from {path}")
             try:  # "flax" reads bfloat16 too (numpy cannot); on the CPU to spare accelerators
@@ -107,7 +109,8 @@ def _source(path: str, allow_pickle: bool, stack) -> tuple[dict, Callable, Itera
     if not is_hf_dir(path):
         raise ValueError(f"{os.path.join(path, CONFIG)} is missing or has no model_type: not a "
                          f"Hugging Face model directory")
-    with open(os.path.join(path, CONFIG)) as f:
+    from jaxllm.io import confined
+    with open(confined(path, os.path.join(path, CONFIG), path)) as f:
         hf_cfg = json.load(f)
     if any(f.endswith(".safetensors") for f in os.listdir(path)):
         src = _SafetensorsDir(path, stack)
@@ -173,6 +176,10 @@ def from_tensors(hf_cfg: dict, get: Callable[[str], np.ndarray], names, where: s
         raise
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    names = list(names)
+    if cfg.num_layers > len(names):  # before a per-layer name table is built for any count
+        raise ValueError(f"{where}: the config says {cfg.num_layers:,} layers, but there are "
+                         f"only {len(names):,} tensors")
     entries = NAMES[cfg.family](cfg)
     available = {_canonical(n, cfg.family): n for n in names if not _BUFFERS.search(n)}
     wanted = {e.hf for e in entries}
@@ -202,7 +209,8 @@ def from_tensors(hf_cfg: dict, get: Callable[[str], np.ndarray], names, where: s
             flat[path] = np.ascontiguousarray(v, dtype=dtype)
     # the name map must fill exactly the model's parameters, each with the model's shape
     check_params(cfg, flat, f"the {cfg.family} name map", {})
-    return cfg, jax.tree.map(jax.numpy.asarray, tree.unflatten(flat))
+    # device_put, not jnp.asarray: the latter dispatches a conversion program per tensor
+    return cfg, jax.device_put(tree.unflatten(flat))
 
 
 def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None = None,

@@ -12,6 +12,7 @@ the train package) and ``embedded-sink`` (its learnable-sink twin); see jaxllm/m
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -198,9 +199,30 @@ def read_json(path: str):
                          f"{e.colno})") from None
 
 
+@functools.lru_cache(maxsize=16)
+def _one_layer_shapes(cfg: ModelConfig) -> dict:
+    one = dataclasses.replace(cfg, num_layers=1)
+    return tree.flatten(jax.eval_shape(lambda: init_params(one, jax.random.key(0))))
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Every parameter's path -> ShapeDtypeStruct, from a one-layer model's trace (the layers are
+    alike; tracing all of them took SmolLM2's load 3 s)."""
+    out = {}
+    for path, s in _one_layer_shapes(cfg).items():
+        if path.startswith("layer_0/"):
+            out.update({f"layer_{i}/{path[8:]}": s for i in range(cfg.num_layers)})
+        else:
+            out[path] = s
+    return out
+
+
 def check_params(cfg: ModelConfig, flat: dict, where: str, quant: dict) -> None:
     """Names and shapes against the config (an int8 node's ``q`` has its float kernel's shape)."""
-    expect = tree.flatten(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    if cfg.num_layers > len(flat):  # checked before a per-layer table is built for any count
+        raise ValueError(f"{where}: the config says {cfg.num_layers:,} layers, but there are "
+                         f"only {len(flat):,} tensors")
+    expect = param_shapes(cfg)
     flat = dict(flat)
     for path, s in quant.items():
         if s.get("kind") == "lowbit":  # codes [out, P]: the float kernel [in, out] it stands for

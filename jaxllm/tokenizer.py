@@ -14,10 +14,11 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
-# The files a Hugging Face tokenizer directory may hold (the first four identify one).
+# The files a Hugging Face tokenizer directory may hold (the first four identify one;
+# transformers 5 saves the chat template apart, as chat_template.jinja).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
 
 
 def has_tokenizer(path: str) -> bool:
@@ -25,13 +26,22 @@ def has_tokenizer(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES[:4])
 
 
+def _confined_files(src: str) -> dict[str, str]:
+    """name -> real path of the tokenizer files in ``src``, each refused if it leads outside
+    ``src`` (a symlink to a file elsewhere would be read, or copied into a directory a user
+    publishes)."""
+    from .io import confined
+    return {n: confined(src, os.path.join(src, n), src, f"tokenizer file {n}")
+            for n in TOKENIZER_FILES if os.path.exists(os.path.join(src, n))}
+
+
 def copy_tokenizer(src: str, dst: str) -> None:
-    """Copy the tokenizer files of ``src`` into the directory ``dst`` (made if missing)."""
+    """Copy the tokenizer files of ``src`` into the directory ``dst`` (made if missing); the
+    files themselves, never links."""
     import shutil
     os.makedirs(dst, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), dst)
+    for name, real in _confined_files(src).items():
+        shutil.copyfile(real, os.path.join(dst, name))
 
 
 class ByteTokenizer:
@@ -52,24 +62,55 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """``transformers.AutoTokenizer`` from a local directory (never remote code)."""
+    """``transformers.AutoTokenizer`` from a local directory (never remote code); or, built in
+    memory (a GGUF file's), a ``tokenizers.Tokenizer`` used directly, with transformers' object
+    made only when it is asked for (:meth:`save`, :attr:`tok`): importing transformers is most
+    of such a load's time."""
 
     def __init__(self, path: str):
         from transformers import AutoTokenizer
+        _confined_files(path)
         self._set(AutoTokenizer.from_pretrained(path, local_files_only=True,
                                                 trust_remote_code=False), os.path.abspath(path))
 
     @classmethod
     def of(cls, tok, name: str) -> "HFTokenizer":
-        """A transformers tokenizer built in memory (e.g. from a GGUF file's metadata)."""
+        """A transformers tokenizer built in memory."""
         self = cls.__new__(cls)
         self._set(tok, name)
         return self
 
+    @classmethod
+    def of_backend(cls, backend, name: str, special_tokens: dict, chat_template: str | None,
+                   build) -> "HFTokenizer":
+        """A ``tokenizers.Tokenizer`` whose special tokens are added already: encoded and
+        decoded as transformers' fast tokenizer does (``add_special_tokens=False``, no clean-up
+        of spaces); ``special_tokens`` is transformers' ``special_tokens_map``; ``build()`` makes
+        the equivalent ``PreTrainedTokenizerFast`` when one is needed."""
+        self = cls.__new__(cls)
+        self._tok, self._build, self.name = None, build, name
+        self._backend, self._special, self._template = backend, special_tokens, chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        eos = special_tokens.get("eos_token")
+        self.eos_id = None if eos is None else backend.token_to_id(eos)
+        return self
+
     def _set(self, tok, name: str) -> None:
-        self.tok, self.name = tok, name
+        self._tok, self.name, self._backend = tok, name, None
         self.vocab_size = len(tok)
         self.eos_id = tok.eos_token_id
+
+    @property
+    def tok(self):
+        """The transformers tokenizer."""
+        if self._tok is None:
+            self._tok = self._build()
+        return self._tok
+
+    @property
+    def special_tokens(self) -> dict:
+        """transformers' ``special_tokens_map`` (bos_token, eos_token, ...)."""
+        return self._special if self._backend is not None else self.tok.special_tokens_map
 
     def save(self, directory: str) -> None:
         """Write this tokenizer (and its chat template) as a Hugging Face tokenizer directory."""
@@ -79,7 +120,8 @@ class HFTokenizer:
     def chat_template(self) -> str | None:
         """The Jinja source of the chat template (a tokenizer with several named templates
         gives its "default" one), or None."""
-        t = getattr(self.tok, "chat_template", None)
+        t = self._template if self._backend is not None else \
+            getattr(self.tok, "chat_template", None)
         if isinstance(t, dict):
             t = t.get("default")
         return t or None
@@ -97,13 +139,18 @@ class HFTokenizer:
         if not self.has_chat_template:
             raise ValueError(f"the tokenizer of {self.name} has no chat template")
         return render(self.chat_template, messages, generation_prompt,
-                      special_tokens=self.tok.special_tokens_map, name=self.name)
+                      special_tokens=self.special_tokens, name=self.name)
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
+        return self.tok.decode(ids)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -94,11 +94,12 @@ def _raw_blocks(rows, cols, qtype, rng):
     return raw.reshape(rows, -1)
 
 
-def _write(path, model, qtype, rng):
-    """``model`` (a transformers Llama) as a GGUF file, every 2-D weight in ``qtype``."""
+def _write(path, model, qtype, rng, extra=None, layers=None):
+    """``model`` (a transformers Llama) as a GGUF file, every 2-D weight in ``qtype``;
+    ``extra(writer)`` adds metadata, ``layers`` overrides the block count."""
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
+    w.add_block_count(layers or c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -117,6 +118,8 @@ def _write(path, model, qtype, rng):
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     w.add_chat_template(TINY_TEMPLATE)
+    if extra:
+        extra(w)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -265,8 +268,9 @@ def test_keep_quantized_reads_the_files_blocks(real):
     reader = GGUFReader(_real_file())
     tensors = {t.name: t for t in reader.tensors}
     # from_gguf(keep_quantized=True)'s step, on the float load (no second read of the file)
-    params_q = jg._keep_quantized(params, tensors, {"q_proj": cfg.num_heads,
-                                                    "k_proj": cfg.num_kv_heads})
+    params_q = jg._keep_quantized(params, jg._reader(_real_file()).tensors,
+                                  {"q_proj": cfg.num_heads,
+                                   "k_proj": cfg.num_kv_heads})
     flat = tree.flatten(params_q)
     file_bytes = ours = 0
     for name, path, heads in (("blk.0.attn_k.weight", "layer_0/attn/k/kernel", 3),
@@ -304,3 +308,91 @@ def test_keep_quantized_reads_the_files_blocks(real):
                                group=node.group, in_features=node.in_features,
                                dtype=jnp.float32, backend=backend, interpret=True)
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# ---- the container, read by convert.gguf_file -------------------------------------------------
+
+def test_the_container_reads_as_the_gguf_package_reads_it(tmp_path):
+    """Every metadata value (each scalar type, arrays of numbers, bools and strings) and every
+    tensor's type, shape and bytes equal llama.cpp's own Python reader's."""
+    import torch
+    from gguf import GGUFReader
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from convert.gguf_file import GGUFFile
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))
+    path = tmp_path / "m.gguf"
+    _write(path, model, QT.Q4_1, np.random.default_rng(0),
+           extra=lambda w: [w.add_uint8("x.u8", 7), w.add_int16("x.i16", -3),
+                            w.add_float64("x.f64", 0.1), w.add_bool("x.b", True),
+                            w.add_uint64("x.u64", 2 ** 40), w.add_string("x.s", "é 漢字"),
+                            w.add_array("x.floats", [0.5, -1.25]),
+                            w.add_array("x.bools", [True, False])])
+    ours, ref = GGUFFile(str(path)), GGUFReader(str(path))
+    ref_fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.fields) == list(ref_fields)
+    for k, f in ref_fields.items():
+        assert ours.fields[k] == f.contents(), k
+    assert ours.fields["x.s"] == "é 漢字" and ours.fields["x.bools"] == [True, False]
+    assert [t.name for t in ref.tensors] == list(ours.tensors)
+    for t in ref.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.kind == QT(t.tensor_type).name and mine.n_bytes == t.n_bytes
+        assert mine.shape == tuple(int(n) for n in reversed(t.shape))
+        np.testing.assert_array_equal(mine.data, np.asarray(t.data).view(np.uint8).ravel())
+
+
+def _header(n_tensors=0, n_fields=0, version=3, endian="<"):
+    import struct
+    return b"GGUF" + struct.pack(endian + "IQQ", version, n_tensors, n_fields)
+
+
+def _kv_string(key, value: bytes, length=None):
+    import struct
+    k = key.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<IQ", 8, len(value) if length is None
+                                                       else length) + value
+
+
+@pytest.mark.parametrize("body,msg", [
+    (_header(n_tensors=2 ** 40), "tensor count, 1,099,511,627,776, needs more than"),
+    (_header(n_fields=2 ** 62), "metadata count"),
+    (_header(n_fields=1) + _kv_string("a", b"xy", length=2 ** 62), "the length of a"),
+    (_header(n_fields=1) + b"\x01\x00\x00\x00\x00\x00\x00\x00a" + b"\x09\x00\x00\x00"
+     + b"\x08\x00\x00\x00" + (2 ** 60).to_bytes(8, "little"), "'a''s length"),
+    (_header(n_fields=1) + _kv_string("a", b"\xff\xfe"), "not valid UTF-8"),
+    (_header(n_fields=1) + b"\x01\x00\x00\x00\x00\x00\x00\x00a" + b"\x63\x00\x00\x00",
+     "value type 99"),
+    (_header(version=3, endian=">"), "big-endian"),
+    (_header(version=1), "version 1"),
+    (_header(n_tensors=1) + b"\x01\x00\x00\x00\x00\x00\x00\x00t" + b"\x09\x00\x00\x00"
+     + b"\x00" * 40, "9 dimensions"),
+    (_header(n_tensors=1) + b"\x01\x00\x00\x00\x00\x00\x00\x00t" + b"\x02\x00\x00\x00"
+     + (4096).to_bytes(8, "little") * 2 + b"\x00\x00\x00\x00" + b"\x00" * 8,
+     "lies outside the file"),
+    (b"GGUF\x03\x00", "ends inside its header"),
+])
+def test_a_lying_header_is_one_line_before_any_allocation(tmp_path, body, msg):
+    """Counts and lengths beyond the file's bytes, bad UTF-8, unknown types, big-endian files,
+    data outside the file: each refused at once, in one line."""
+    path = tmp_path / "lie.gguf"
+    path.write_bytes(body)
+    with pytest.raises(ValueError) as e:
+        jg.from_gguf(str(path))
+    assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_layer_count_beyond_the_file_is_refused_at_once(tmp_path):
+    """block_count 2,147,483,647 in a small file: refused before any per-layer table is made
+    (it ran into a MemoryError after minutes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4))
+    path = tmp_path / "m.gguf"
+    _write(path, model, QT.F32, np.random.default_rng(0), layers=2 ** 31 - 1)
+    with pytest.raises(ValueError, match="the config says 2,147,483,647 layers, but there are "
+                                         "only 12 tensors"):
+        jg.from_gguf(str(path))

@@ -204,7 +204,8 @@ def profile_generate(params, cfg, cache, steps: int):
     prompt = jnp.ones((cache.batch, 1), jnp.int32)
     lens = jnp.ones((cache.batch,), jnp.int32)
     key = jax.random.key(0)
-    text = gen._generate_jit.lower(params, cfg, sc, prompt, lens, cache, key).compile().as_text()
+    text = gen._generate_jit.lower(*gen.loop_args(params, cfg, sc, prompt, lens, cache, key)
+                                   ).compile().as_text()
     classes = op_classes(text)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):

@@ -129,18 +129,18 @@ def _still_writing(s: DecodeState) -> Bool[Array, ""]:
     return jnp.any(s.pending)
 
 
-def _decode_step(params, cfg: ModelConfig, sc: SamplingConfig, s: DecodeState) -> DecodeState:
+def _decode_step(params, cfg: ModelConfig, rule: SamplingConfig, budget: Int[Array, ""],
+                 eos: Int[Array, ""], s: DecodeState) -> DecodeState:
     """Write each pending token to the cache and sample the next one where the row may go on
-    (not done, budget left). Every sampled token, EOS included, is written, so the returned
-    cache continues the conversation exactly."""
-    N = s.out.shape[1]
-    eos = -1 if sc.eos_id is None else sc.eos_id
+    (not done, ``budget`` not reached). Every sampled token, EOS included, is written, so the
+    returned cache continues the conversation exactly."""
+    W = s.out.shape[1]
     params, step = loop_weights(params, s.step)  # else XLA widens W8/bf16 weights before the loop
     logits, cache = apply(params, cfg, s.token[:, None], s.cache, s.pending.astype(jnp.int32))
     key, sub = jax.random.split(s.key)
-    new = sample_logits(logits[:, 0], sub, sc)
-    can = s.pending & ~s.done & (step < N)
-    col = jnp.minimum(step, N - 1)
+    new = sample_logits(logits[:, 0], sub, rule)
+    can = s.pending & ~s.done & (step < budget)
+    col = jnp.minimum(step, W - 1)
     old = jax.lax.dynamic_index_in_dim(s.out, col, 1, False)
     out = jax.lax.dynamic_update_index_in_dim(s.out, jnp.where(can, new, old), col, 1)
     return DecodeState(step=step + 1, token=jnp.where(can, new, s.token), pending=can,
@@ -148,35 +148,54 @@ def _decode_step(params, cfg: ModelConfig, sc: SamplingConfig, s: DecodeState) -
                        key=key, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sc"), donate_argnames=("cache",))
-def _generate_jit(params, cfg: ModelConfig, sc: SamplingConfig, prompt, lens, cache, key):
-    B, N = prompt.shape[0], sc.max_new_tokens
-    eos = -1 if sc.eos_id is None else sc.eos_id
+def _width(n: int) -> int:
+    """The output buffer's columns for a budget of ``n`` tokens: a power of two (at least 16),
+    so every budget up to it runs the same compiled loop (the budget itself is a run-time
+    value)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rule", "width"), donate_argnames=("cache",))
+def _generate_jit(params, cfg: ModelConfig, rule: SamplingConfig, width: int, prompt, lens,
+                  cache, key, budget: Int[Array, ""], eos: Int[Array, ""]):
+    B = prompt.shape[0]
     logits, cache = apply(params, cfg, prompt, cache, lens, last_only=True)  # [B, 1, V]
     key, sub = jax.random.split(key)
-    tok = sample_logits(logits[:, 0], sub, sc)
-    out = jnp.full((B, N), max(eos, 0), jnp.int32).at[:, 0].set(tok)
+    tok = sample_logits(logits[:, 0], sub, rule)
+    out = jnp.full((B, width), jnp.maximum(eos, 0), jnp.int32).at[:, 0].set(tok)
     init = DecodeState(step=jnp.int32(1), token=tok, pending=jnp.ones((B,), bool),
                        done=tok == eos, count=jnp.ones((B,), jnp.int32), out=out, key=key,
                        cache=cache)
-    s = jax.lax.while_loop(_still_writing, functools.partial(_decode_step, params, cfg, sc), init)
-    return GenerateResult(s.out, s.count, s.cache)
+    s = jax.lax.while_loop(_still_writing,
+                           functools.partial(_decode_step, params, cfg, rule, budget, eos), init)
+    return s.out, s.count, s.cache
 
 
 def generate(params, cfg: ModelConfig, prompt: Int[Array, "b p"], cache: KVCache,
              sampling: SamplingConfig = SamplingConfig(), key: Optional[jax.Array] = None,
              prompt_lengths: Optional[Int[Array, " b"]] = None) -> GenerateResult:
     """Feed ``prompt`` (right-padded to ``prompt_lengths``) and generate up to
-    ``sampling.max_new_tokens`` tokens per row, all in one compiled loop.
+    ``sampling.max_new_tokens`` tokens per row, all in one compiled loop. The token budget and
+    the end token are run-time values: budgets up to the same power of two (and the same
+    temperature, top-k and top-p) reuse one compiled program.
 
     A learnable-sink model (``cfg.sink == "learnable"``) gets its sink token in front of the
-    prompt of every row whose cache is empty. The cache is donated: do not reuse the cache you passed in; use ``result.cache``, which holds
-    the prompt and all generated tokens, so the next round of a chat is ``generate(params, cfg,
-    next_prompt, result.cache, ...)``.
+    prompt of every row whose cache is empty. The cache is donated: do not reuse the cache you
+    passed in; use ``result.cache``, which holds the prompt and all generated tokens, so the
+    next round of a chat is ``generate(params, cfg, next_prompt, result.cache, ...)``.
     """
     prompt, lens = _prepare(cfg, prompt, cache, prompt_lengths, sampling)
     key = jax.random.key(0) if key is None else key
-    return _generate_jit(params, cfg, sampling, prompt, lens, cache, key)
+    out, count, cache = _generate_jit(*loop_args(params, cfg, sampling, prompt, lens, cache, key))
+    return GenerateResult(out[:, :sampling.max_new_tokens], count, cache)
+
+
+def loop_args(params, cfg: ModelConfig, sampling: SamplingConfig, prompt, lens, cache, key):
+    """``_generate_jit``'s arguments for a call of :func:`generate` (prompt and lengths
+    checked): what a test or a benchmark lowers the compiled loop with."""
+    eos = -1 if sampling.eos_id is None else sampling.eos_id
+    return (params, cfg, sampling.rule, _width(sampling.max_new_tokens), prompt, lens, cache, key,
+            jnp.int32(sampling.max_new_tokens), jnp.int32(eos))
 
 
 # ---- step-wise generation: the host drives (a chat, a server) ---------------------------------

@@ -40,6 +40,31 @@ def test_greedy_matches_hand_loop_with_padding_and_wraparound():
     assert cache.k[0].is_deleted()  # donated: the loop updated the cache in place
 
 
+def test_one_compiled_loop_serves_every_budget_and_end_token():
+    """Budgets 3 to 16 and different end tokens run one compiled loop (JAX traces
+    ``_generate_jit`` once, counted by its compile events, not by time); each result is the
+    hand-written greedy loop's, cut at its budget or its end token."""
+    traced = []
+
+    def on(event, secs, **kw):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and \
+                "_generate_jit" in str(kw.get("fun_name")):
+            traced.append(kw["fun_name"])
+    want = greedy_by_hand([5, 9, 11], 16, 2, 6)
+    jax.monitoring.register_event_duration_secs_listener(on)
+    try:
+        for n, eos in ((3, None), (16, None), (9, want[4]), (5, -7 % LLAMA.vocab_size)):
+            res = jaxllm.generate(PARAMS, LLAMA, np.asarray([[5, 9, 11]]),
+                                  jaxllm.init_cache(LLAMA, 1, sinks=2, window=6),
+                                  jaxllm.SamplingConfig(max_new_tokens=n, eos_id=eos))
+            k = want.index(eos) + 1 if eos in want[:n] else n
+            assert res.tokens.shape == (1, n) and int(res.num_tokens[0]) == k
+            assert list(np.asarray(res.tokens[0, :k])) == want[:k]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on)
+    assert len(traced) == 1, traced
+
+
 def test_bfloat16_cache_generates_in_place():
     """A bfloat16 cache (on CPU its uint16 bits, kv.stores.Bf16Bits) through the one-jit loop: the
     greedy tokens of the per-token Python loop, the same cache contents, and its bits donated."""
@@ -158,7 +183,7 @@ def test_decode_loops_read_narrow_weights_in_place(weights):
     to float32 once, before the loop: a float32 copy of every weight in temporary memory (and
     4x W8's bytes read per step). Reference: the float32 model's own programs, which hold no
     weight copy; a hoisted copy of even a quarter of the weights fails the bound."""
-    from jaxllm.generate import _generate_jit
+    from jaxllm.generate import _generate_jit, loop_args
     from jaxllm.ppl import nll_chunk
     cfg = jaxllm.ModelConfig.gpt_neox(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
                                       rotary_pct=0.5)
@@ -174,8 +199,9 @@ def test_decode_loops_read_narrow_weights_in_place(weights):
     toks, lens = jnp.ones((1, 4), jnp.int32), jnp.array([4], jnp.int32)
 
     def temp_bytes(p):  # [generate, stepwise nll]
-        gen = _generate_jit.lower(p, cfg, jaxllm.SamplingConfig(max_new_tokens=4), toks, lens,
-                                  policy.make_cache(cfg, 1, 0), jax.random.key(0))
+        gen = _generate_jit.lower(*loop_args(p, cfg, jaxllm.SamplingConfig(max_new_tokens=4),
+                                             toks, lens, policy.make_cache(cfg, 1, 0),
+                                             jax.random.key(0)))
         nll = nll_chunk.lower(p, cfg, policy.make_cache(cfg, 1, 0), toks, toks, lens,
                                stepwise=True)
         return [f.compile().memory_analysis().temp_size_in_bytes for f in (gen, nll)]

@@ -153,7 +153,7 @@ def test_decode_loop_holds_no_float_copy_of_4_bit_weights():
     XLA's temporaries stay under 1 GiB, where a float32 copy of the 4 layers' linears alone
     would be 3.2 GB (the loop's barrier keeps each layer's dequantization inside the step);
     lowered for CUDA, the loop's products are the Pallas kernel's."""
-    from jaxllm.generate import SamplingConfig, _generate_jit
+    from jaxllm.generate import SamplingConfig, _generate_jit, loop_args
     cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=4)
     abstract = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
 
@@ -170,15 +170,13 @@ def test_decode_loop_holds_no_float_copy_of_4_bit_weights():
     params = tree.unflatten(flat)
     cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, 1, sinks=4, window=252))
     S = jax.ShapeDtypeStruct
-    lowered = _generate_jit.lower(params, cfg, SamplingConfig(max_new_tokens=8),
-                                  S((1, 8), jnp.int32), S((1,), jnp.int32), cache,
-                                  jax.random.key(0))
+    args = loop_args(params, cfg, SamplingConfig(max_new_tokens=8), S((1, 8), jnp.int32),
+                     S((1,), jnp.int32), cache, jax.random.key(0))
+    lowered = _generate_jit.lower(*args)
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
     assert temp < 1 << 30, temp / 2 ** 30
     # Lowered for a GPU, the same loop multiplies by the Pallas kernel that reads the codes.
-    text = _generate_jit.trace(params, cfg, SamplingConfig(max_new_tokens=8), S((1, 8), jnp.int32),
-                               S((1,), jnp.int32), cache, jax.random.key(0)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = _generate_jit.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
 

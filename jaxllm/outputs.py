@@ -13,13 +13,20 @@ each command inherits the same promises:
   interrupted write never leaves half a file where a good one was; files that appear in the
   target while we write are never overwritten: the new output is kept beside it and named;
 * a write that fails (a read-only directory, a path naming a directory, a full disk) is one
-  line naming the path and the reason.
+  line naming the path and the reason;
+* a temporary output is judged abandoned only when the lock its writer holds on
+  ``TEMP.jaxllm-lock`` beside it (``fcntl.flock``, taken before the temporary exists) is free:
+  a writer in another PID namespace (a container on a shared volume) keeps its work. A
+  replacement killed between its two renames is undone on the next write: the previous output
+  goes back in place;
+* outputs get the permissions the umask gives (not a temporary file's 0600 / 0700).
 
 Errors are :class:`OutputError` (a ValueError: the CLI prints it in one line)."""
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -31,6 +38,7 @@ from typing import Callable, Optional
 MARKER = ".jaxllm-written"  # in every directory atomic_dir writes: the sign it may be replaced
 REGISTRY = ".jaxllm-outputs"  # per directory: the single files written there, with digests
 RUN_MANIFEST = ".jaxllm-run"  # first file of every run directory
+LOCK = ".jaxllm-lock"  # suffix of the lock file beside each temporary output
 
 
 class OutputError(ValueError):
@@ -127,19 +135,64 @@ def atomic_file(path: str, sources=()):
     on failure it is removed and ``path`` is untouched."""
     check_file(path, sources)
     parent, name = os.path.split(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.jaxllm-partial-{os.getpid()}-", dir=parent)
-        os.close(fd)
-    except OSError as e:
-        raise OutputError(f"cannot write {path}: {_why(e)}") from None
-    with _removed_on_failure(tmp, path):
+    with _locked_temp(parent, f".{name}.jaxllm-partial-{os.getpid()}-", path, False) as tmp, \
+            _removed_on_failure(tmp, path):
         yield tmp
         if os.path.lexists(path) and not written_by_us(path):  # appeared while we wrote
             kept = _keep_beside(tmp, path)
             raise OutputError(f"{path} appeared while jaxllm wrote it (not ours: left as it "
                               f"is); the new output is {kept}")
+        _as_umask_allows(tmp)
         os.replace(tmp, path)
         _register(path)
+
+
+@contextlib.contextmanager
+def _locked_temp(parent: str, prefix: str, path: str, directory: bool):
+    """A new temporary file or directory in ``parent``, and the lock that marks it as being
+    written: the lock file ``TEMP.jaxllm-lock`` is made and locked first, so no cleaner ever
+    sees the temporary without a held lock beside it. Released (and its file removed) at the
+    end, whatever became of the temporary."""
+    try:
+        fd, lock = tempfile.mkstemp(prefix=prefix, suffix=LOCK, dir=parent)
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {_why(e)}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        tmp = lock[:-len(LOCK)]
+        try:
+            if directory:
+                os.mkdir(tmp, 0o700)
+            else:
+                os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except OSError as e:
+            raise OutputError(f"cannot write {path}: {_why(e)}") from None
+        yield tmp
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _as_umask_allows(tmp: str) -> None:
+    """A temporary is private while written (0600 / 0700); the output gets the permissions an
+    ordinary file or directory made here would have."""
+    mask = _umask()
+    if os.path.isdir(tmp):
+        for d, dirs, files in os.walk(tmp):
+            os.chmod(d, 0o777 & ~mask)
+            for f in files:
+                if not os.path.islink(os.path.join(d, f)):
+                    os.chmod(os.path.join(d, f), os.stat(os.path.join(d, f)).st_mode & 0o777
+                             | (0o666 & ~mask))
+    else:
+        os.chmod(tmp, 0o666 & ~mask)
 
 
 @contextlib.contextmanager
@@ -225,21 +278,78 @@ def check_output_dir(path: str, overwrite: bool = False, sources=(),
 
 
 def _clean_stale(parent: str) -> None:
-    """Remove the half-written directories that killed writers left in ``parent`` (their pid no
-    longer runs on this machine)."""
+    """Put right what killed writers left in ``parent``: a replacement interrupted between its
+    renames gets its previous output back; the temporaries of writers that no longer hold their
+    lock go. (A temporary without a lock file beside it, from an older jaxllm, is judged by its
+    writer's pid, on this machine.)"""
     import re
-    partial = re.compile(r"^\..+\.jaxllm-(partial|old)-(\d+)-")
-    for name in os.listdir(parent):
-        m = partial.match(name)
+    temp = re.compile(r"^\.(.+)\.jaxllm-(partial|old)-(\d+)-[^/]*?(\.jaxllm-lock)?$")
+    names = sorted(os.listdir(parent), key=lambda n: "-old-" not in n)  # repairs first
+    for name in names:
+        m = temp.match(name)
         if not m:
             continue
+        target, kind, pid, is_lock = m.groups()
+        full = os.path.join(parent, name)
+        if is_lock:
+            continue  # handled with its temporary (or below, if the temporary is gone)
+        lock = full + LOCK
+        if os.path.exists(lock):
+            with _abandoned(lock) as free:
+                if free:
+                    _undo_or_remove(parent, target, kind, full)
+        elif not _pid_alive(int(pid)):
+            _undo_or_remove(parent, target, kind, full)
+    for name in os.listdir(parent):  # lock files whose temporary is gone
+        m = temp.match(name)
+        if m and m.group(4) and not os.path.lexists(os.path.join(parent, name[:-len(LOCK)])):
+            with _abandoned(os.path.join(parent, name)) as free:
+                if free:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(parent, name))
+
+
+@contextlib.contextmanager
+def _abandoned(lock: str):
+    """Yields whether the lock at ``lock`` is free (its writer is gone), holding it meanwhile."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        yield False
+        return
+    try:
         try:
-            os.kill(int(m.group(2)), 0)
-            continue  # a live writer's
-        except ProcessLookupError:
-            _remove(os.path.join(parent, name))
-        except (PermissionError, OverflowError):
-            continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+
+
+def _undo_or_remove(parent: str, target: str, kind: str, full: str) -> None:
+    """An abandoned temporary: an ``old`` one holding the previous output (``m``) while the
+    target is missing is a replacement killed between its renames, so the previous output goes
+    back; anything else is removed."""
+    previous = os.path.join(full, "m")
+    dest = os.path.join(parent, target)
+    if kind == "old" and os.path.lexists(previous) and not os.path.lexists(dest):
+        with contextlib.suppress(OSError):
+            os.rename(previous, dest)
+    _remove(full)
 
 
 @contextlib.contextmanager
@@ -257,14 +367,19 @@ def atomic_dir(path: str, overwrite: bool = False, sources=(),
     parent = _make_parent(path)
     _clean_stale(parent)
     name = os.path.basename(path)
-    try:
-        tmp = tempfile.mkdtemp(prefix=f".{name}.jaxllm-partial-{os.getpid()}-", dir=parent)
-    except OSError as e:
-        raise OutputError(f"cannot write {path}: {_why(e)}") from None
-    with _removed_on_failure(tmp, path):
-        yield tmp
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            f.write("written by jaxllm; `--overwrite` may replace this directory\n")
+    with _locked_temp(parent, f".{name}.jaxllm-partial-{os.getpid()}-", path, True) as tmp:
+        with _removed_on_failure(tmp, path):
+            yield tmp
+            with open(os.path.join(tmp, MARKER), "w") as f:
+                f.write("written by jaxllm; `--overwrite` may replace this directory\n")
+            _as_umask_allows(tmp)
+        _into_place(tmp, path, parent, name, ours, legacy)
+
+
+def _into_place(tmp: str, path: str, parent: str, name: str, ours, legacy) -> None:
+    """Rename the finished ``tmp`` to ``path``; an existing output of ours is moved aside into
+    a locked ``old`` temporary first and deleted after (restored by the next write's
+    :func:`_clean_stale` if this process dies between the renames)."""
     if os.path.lexists(path):
         # Again, now: files may have appeared while we wrote (another process, the user).
         appeared = (not os.path.isdir(path) or os.path.islink(path)
@@ -275,10 +390,10 @@ def atomic_dir(path: str, overwrite: bool = False, sources=(),
             kept = _keep_beside(tmp, path)
             raise OutputError(f"{path} changed while jaxllm wrote it (it now holds files that "
                               f"are not ours: left as they are); the new output is {kept}")
-        old = tempfile.mkdtemp(prefix=f".{name}.jaxllm-old-{os.getpid()}-", dir=parent)
-        os.rename(path, os.path.join(old, "m"))
-        os.rename(tmp, path)
-        shutil.rmtree(old)
+        with _locked_temp(parent, f".{name}.jaxllm-old-{os.getpid()}-", path, True) as old:
+            os.rename(path, os.path.join(old, "m"))
+            os.rename(tmp, path)
+            shutil.rmtree(old)
     else:
         os.rename(tmp, path)
 

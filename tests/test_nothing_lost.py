@@ -204,3 +204,143 @@ def _edit_config(m, **kw):
     for k, v in kw.items():
         (meta if k in ("tokenizer", "format") else meta["model"])[k] = v
     (m / "config.json").write_text(json.dumps(meta).replace("Infinity", "1e999"))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A Llama Hugging Face directory with a tokenizer that has a chat template (saved by
+    transformers, which writes it as chat_template.jinja)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from convert.hf import to_hf
+    d = tmp_path_factory.mktemp("hf") / "llama"
+    cfg = jaxllm.ModelConfig.llama(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, intermediate_size=48)
+    to_hf(cfg, jaxllm.init_params(cfg, jax.random.key(0)), str(d))
+    core = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0", eos_token="w1",
+                            chat_template="{% for m in messages %}{{ m.content }} w1 "
+                                          "{% endfor %}").save_pretrained(str(d))
+    assert os.path.exists(d / "chat_template.jinja")
+    return d
+
+
+def _outside(d, name, elsewhere):
+    """``d/name`` moved to ``elsewhere`` and replaced by a symlink to it."""
+    os.rename(d / name, elsewhere / name)
+    os.symlink(elsewhere / name, d / name)
+
+
+@pytest.mark.parametrize("name,command", [
+    ("model.safetensors", "ppl"), ("config.json", "ppl"), ("tokenizer.json", "convert"),
+    ("chat_template.jinja", "convert")])
+def test_nothing_from_outside_a_hugging_face_directory_is_read_or_copied(
+        hf_dir, tmp_path, capsys, name, command):
+    """A weights, config or tokenizer file that is a symlink to a file elsewhere is refused in
+    one line: it would be read as the model's, or copied into a directory a user publishes."""
+    m, elsewhere = tmp_path / "m", tmp_path / "elsewhere"
+    shutil.copytree(hf_dir, m)
+    elsewhere.mkdir()
+    _outside(m, name, elsewhere)
+    before = digests(tmp_path)
+    args = (["ppl", "--model", str(m), "--quiet", "--max-tokens", "8"] if command == "ppl" else
+            ["convert", "--hf", str(m), "--out", str(tmp_path / "out"), "--quiet"])
+    refused(args, capsys, f"{name} leads outside the model directory")
+    assert digests(tmp_path) == before and not os.path.exists(tmp_path / "out")
+
+
+def test_the_chat_template_survives_convert_and_export(hf_dir, tmp_path, capsys):
+    """convert keeps the chat template (transformers 5 saves it as chat_template.jinja), and
+    export-hf writes it back; a symlink in a jaxllm model's tokenizer/ is not copied out."""
+    from jaxllm.tokenizer import HFTokenizer
+    msgs = [{"role": "user", "content": "w5 w6"}]
+    want = HFTokenizer(str(hf_dir)).chat(msgs)
+    assert main(["convert", "--hf", str(hf_dir), "--out", str(tmp_path / "j"), "--quiet"]) == 0
+    _, _, tok = jaxllm.load_model(str(tmp_path / "j"))
+    assert tok.chat(msgs) == want
+    assert main(["export-hf", "--model", str(tmp_path / "j"), "--out", str(tmp_path / "h"),
+                 "--quiet"]) == 0
+    assert HFTokenizer(str(tmp_path / "h")).chat(msgs) == want
+    capsys.readouterr()
+    (tmp_path / "elsewhere").mkdir()
+    _outside(tmp_path / "j" / "tokenizer", "tokenizer.json", tmp_path / "elsewhere")
+    refused(["export-hf", "--model", str(tmp_path / "j"), "--out", str(tmp_path / "h2"),
+             "--quiet"], capsys, "tokenizer.json leads outside the model directory")
+    assert not os.path.exists(tmp_path / "h2")
+
+
+def _tiny_save(path, seed=0, overwrite=False):
+    cfg = jaxllm.PRESETS["pythia-tiny"]
+    jaxllm.save_model(str(path), cfg, jaxllm.init_params(cfg, jax.random.key(seed)),
+                      overwrite=overwrite)
+
+
+def test_a_replacement_killed_between_its_renames_gives_the_previous_model_back(tmp_path):
+    """A writer SIGKILLed after moving the old model aside and before moving the new one in: the
+    next write in that directory puts the previous model back (it used to delete both)."""
+    path = tmp_path / "model"
+    _tiny_save(path)
+    before = digests(path)
+    code = ("import os, jax, jaxllm\n"
+            "real = os.rename\n"
+            "def rename(a, b):\n"
+            "    real(a, b)\n"
+            "    if '-old-' in b:\n"
+            "        os.kill(os.getpid(), 9)\n"
+            "os.rename = rename\n"
+            "cfg = jaxllm.PRESETS['pythia-tiny']\n"
+            f"jaxllm.save_model({str(path)!r}, cfg, jaxllm.init_params(cfg, jax.random.key(1)),"
+            " overwrite=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True)
+    assert r.returncode == -9, r.stderr.decode()[-2000:]
+    assert not path.exists()  # killed between the renames
+    _tiny_save(tmp_path / "other")  # any write in the same directory repairs it
+    assert digests(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["model", "other"]
+
+
+def test_a_temporary_whose_writer_holds_its_lock_is_kept(tmp_path):
+    """Another writer's temporary directory (its pid unknown here: another PID namespace) is
+    kept while its lock is held, whatever its pid says; removed once the lock is free."""
+    import fcntl
+    stale_pid = 4194305  # 2^22 + 1: no process on this machine
+    work = tmp_path / f".m.jaxllm-partial-{stale_pid}-abc"
+    work.mkdir()
+    (work / "model.safetensors").write_bytes(b"\1" * 100)
+    lock = os.open(str(work) + outputs.LOCK, os.O_CREAT | os.O_RDWR)
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(work) + outputs.LOCK!r}, os.O_RDWR)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True)\n"
+                               "sys.stdin.read()\n"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        _tiny_save(tmp_path / "a")
+        assert (work / "model.safetensors").read_bytes() == b"\1" * 100
+    finally:
+        holder.communicate(b"")
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    os.close(lock)
+    _tiny_save(tmp_path / "b")
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_outputs_get_the_umasks_permissions(tmp_path, capsys):
+    """A model directory and a --json file are as readable as the umask makes new files (they
+    were 0700 / 0600, from their temporaries)."""
+    import stat
+    old = os.umask(0o022)
+    try:
+        _tiny_save(tmp_path / "m")
+        assert main(["ppl", "--model", "random:pythia-tiny", "--max-tokens", "8", "--quiet",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(tmp_path / "m") == 0o755 and mode(tmp_path / "r.json") == 0o644
+    assert all(mode(tmp_path / "m" / f) & 0o044 == 0o044 for f in os.listdir(tmp_path / "m")
+               if os.path.isfile(tmp_path / "m" / f))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.tokenizer import ByteTokenizer
 from train import recipe, train
 from train.data import PackedData, iter_texts, tokenize
 from train.step import decay_mask, examples, init_state, schedule
@@ -113,6 +114,23 @@ def test_site_source_dedups_filters_orders_by_hash_and_records_a_manifest(tmp_pa
     assert manifest["documents"] == 4 and manifest["bytes"] == sum(len(t) for t in kept)
     assert manifest["fingerprint"] == hashlib.sha1("".join(h for h, _ in want).encode()
                                                    ).hexdigest()
+
+
+def test_an_edited_corpus_is_tokenized_again(tmp_path, capsys):
+    """The token cache is keyed by the corpus's content (size, mtime, inode) and the
+    tokenizer's behaviour: a rewritten corpus gives its new tokens, said in one line, and the
+    old cache goes (it used to give the old text's tokens: the same loss, silently)."""
+    corpus, cache = tmp_path / "c.txt", str(tmp_path / "cache")
+    tok = ByteTokenizer()
+    corpus.write_text("first text")
+    assert bytes(tokenize(str(corpus), tok, cache)[:-1].astype(np.uint8)) == b"first text"
+    assert bytes(tokenize(str(corpus), tok, cache)[:-1].astype(np.uint8)) == b"first text"
+    assert capsys.readouterr().err == ""
+    corpus.write_text("the second, longer text")
+    assert bytes(tokenize(str(corpus), tok, cache)[:-1].astype(np.uint8)) == \
+        b"the second, longer text"
+    assert "changed since it was tokenized" in capsys.readouterr().err
+    assert len(os.listdir(cache)) == 1
 
 
 def test_pythia_recipe_schedule_and_weight_decay_mask():

@@ -23,9 +23,11 @@ windows of that stream (targets overlap inputs by one); the last ``holdout`` sha
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from typing import Iterator, Optional
 
@@ -160,12 +162,37 @@ def iter_texts(source: str) -> Iterator[str]:
                          f"{SOURCES}")
 
 
+# Encoded to fingerprint a tokenizer by what it does (two tokenizers of one name may differ).
+_PROBE = "The quick brown fox, 1234567890 -- naïve café, 東京, ∑ x² \t\n  end."
+
+
+def _content_key(source: str, tok: Tokenizer) -> str:
+    """What the tokens depend on: each file's size, modification time and inode (a file or a
+    directory's files, as read), and the tokenizer's ids for a probe text."""
+    h = hashlib.sha1()
+    files = [source] if os.path.isfile(source) else sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs) \
+        if os.path.isdir(source) else []
+    for f in files:
+        st = os.stat(f)
+        h.update(f"{os.path.relpath(f, source)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}\n"
+                 .encode())
+    h.update(repr((tok.vocab_size, tok.eos_id, list(tok.encode(_PROBE)))).encode())
+    return h.hexdigest()[:16]
+
+
+def _source_key(source: str, tok: Tokenizer) -> str:
+    return hashlib.sha1(f"{os.path.abspath(source) if os.path.exists(source) else source}|"
+                        f"{getattr(tok, 'name', type(tok).__name__)}".encode()).hexdigest()[:16]
+
+
 def token_cache_path(source: str, tok: Tokenizer, cache_dir: str) -> str:
-    """Where ``tokenize`` keeps a source's tokens (keyed by source and tokenizer); a ``site``
-    source's manifest lies beside it (``manifest_path``)."""
-    key = hashlib.sha1(f"{os.path.abspath(source) if os.path.exists(source) else source}|"
-                       f"{getattr(tok, 'name', type(tok).__name__)}".encode()).hexdigest()[:16]
-    return os.path.join(cache_dir, f"tokens-{key}.npy")
+    """Where ``tokenize`` keeps a source's tokens: keyed by the source and the tokenizer, and
+    by their content (:func:`_content_key`), so an edited corpus or another tokenizer of the
+    same name is tokenized again; a ``site`` source's manifest lies beside it
+    (``manifest_path``)."""
+    return os.path.join(cache_dir, f"tokens-{_source_key(source, tok)}-"
+                                   f"{_content_key(source, tok)}.npy")
 
 
 def tokenize(source: str, tok: Tokenizer, cache_dir: Optional[str] = None,
@@ -179,6 +206,7 @@ def tokenize(source: str, tok: Tokenizer, cache_dir: Optional[str] = None,
         path = token_cache_path(source, tok, cache_dir)
         if os.path.exists(path):
             return np.load(path, mmap_mode="r")
+        _drop_stale(cache_dir, os.path.basename(path), source)
     from tqdm.auto import tqdm
     parts = []
     eos = [] if tok.eos_id is None else [tok.eos_id]
@@ -208,6 +236,21 @@ def tokenize(source: str, tok: Tokenizer, cache_dir: Optional[str] = None,
                 json.dump(manifest, f, indent=1)
         os.replace(tmp, path)  # a reader never sees half an array
     return tokens
+
+
+def _drop_stale(cache_dir: str, name: str, source: str) -> None:
+    """The tokens of an earlier version of this source (or tokenizer) go, said in one line."""
+    prefix = name[:len("tokens-") + 17]  # tokens-SOURCEKEY-
+    if not os.path.isdir(cache_dir):
+        return
+    stale = [f for f in os.listdir(cache_dir) if f.startswith(prefix) and f.endswith(".npy")]
+    if stale:
+        print(f"note: {source} (or its tokenizer) changed since it was tokenized: tokenizing "
+              f"it again", file=sys.stderr)
+    for f in stale:
+        for p in (os.path.join(cache_dir, f), manifest_path(os.path.join(cache_dir, f))):
+            with contextlib.suppress(OSError):
+                os.remove(p)
 
 
 class PackedData:

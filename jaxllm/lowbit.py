@@ -25,6 +25,7 @@ from flax import struct
 from jaxtyping import Array, Float
 
 import pallas_kernels
+from pallas_kernels import cpu as cpu_kernels
 from pallas_kernels import packed_matmul as kernel
 
 BITS = (2, 3, 4, 8)
@@ -136,8 +137,11 @@ def chunk_columns(node: QLowBit) -> int:
 def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[Array, "... o"]:
     """x @ ŵᵀ in ``dtype``. On a GPU or TPU the Pallas kernel (pallas_kernels.packed_matmul)
     reads the packed codes and dequantizes in registers, x and ŵ rounded to ``dtype``, float32
-    sums; weights it does not take (3-bit codes, shapes in its ``supports``) and CPUs use
-    :func:`xla_matmul`. ``JAXLLM_INT8_BACKEND=xla`` chooses the XLA form everywhere."""
+    sums; weights it does not take (3-bit codes, shapes in its ``supports``) use
+    :func:`xla_matmul`. On a CPU with AVX2, a few rows (decode) of 4-bit codes go to the C++
+    kernel that widens the codes in registers (pallas_kernels.cpu.lowbit4_rows); more rows, and
+    other CPUs, use :func:`xla_matmul`. ``JAXLLM_INT8_BACKEND=xla`` chooses the XLA form
+    everywhere."""
     lead, n = x.shape[:-1], node.in_features
     out = node.codes.shape[0]
     x2 = x.reshape(-1, n)
@@ -151,11 +155,15 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[
         return lambda x2: kernel.lowbit_matmul(
             x2, node.codes, node.scale, node.offset, bits=node.bits, group=node.group,
             in_features=n, dtype=dtype, backend=backend).astype(dtype)
+    def on_cpu(x2):
+        return cpu_kernels.lowbit4_rows(x2.astype(dtype).astype(jnp.float32), node.codes,
+                                        node.scale, node.offset, node.group).astype(dtype)
     if pallas_kernels.resolve_backend() == "xla":
         y = xla(x2)
     else:
+        cpu = on_cpu if cpu_kernels.lowbit_use_for(x2.shape[0], node.bits, node.group) else xla
         y = jax.lax.platform_dependent(x2, cuda=by("triton"), rocm=by("triton"),
-                                       tpu=by("tpu"), default=xla)
+                                       tpu=by("tpu"), cpu=cpu, default=xla)
     return y.reshape(*lead, out)
 
 

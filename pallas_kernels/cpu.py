@@ -44,11 +44,12 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Int8
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "int8_rows.cc", CSRC / "decode_attention.cc")
+SOURCES = (CSRC / "int8_rows.cc", CSRC / "decode_attention.cc", CSRC / "lowbit_rows.cc")
 HEADERS = (CSRC / "blocks.h",)
 TARGET = "jaxllm_int8_rows"
 TOKEN_TARGET = "jaxllm_int8_rows_token"
 ATTENTION_TARGET = "jaxllm_decode_attention"
+LOWBIT_TARGET = "jaxllm_lowbit4_rows"
 # What the attention kernel reads: these cache dtypes (uint16: bfloat16's bits), head dims up to
 # MAX_HEAD_DIM (a query head's weighted value sums then fit in 16 vector registers, so each value
 # row is read once; csrc/decode_attention.cc checks the same bound).
@@ -60,6 +61,9 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # that a prefill's many rows keep XLA's GEMM, which is made for them (the kernel called directly
 # was level with it at 128-256 rows in a scratch run).
 FEW_ROWS = 64
+# Rows up to which the 4-bit kernel multiplies (each row costs it one FMA per weight, against a
+# GEMM's blocked reuse; a decode step has a row per sequence).
+FEW_ROWS_LOWBIT = 16
 # The kernel's int32 partial sums of (x + 128) * w are exact below this K.
 MAX_K = 65536
 
@@ -161,6 +165,8 @@ def _library() -> tuple[Optional[ctypes.CDLL], str]:
                                 platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxllmDecodeAttention),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(LOWBIT_TARGET, jax.ffi.pycapsule(lib.JaxllmLowbit4Rows),
+                                platform="cpu")
     return lib, ""
 
 
@@ -178,12 +184,20 @@ def _why_not_attention() -> str:
     return why
 
 
+def _why_not_lowbit() -> str:
+    lib, why = _library()
+    if lib is not None and not lib.jaxllm_lowbit_rows_avx2():
+        return "this CPU has no AVX2 with FMA and F16C: XLA's form is used"
+    return why
+
+
 def status() -> str:
-    """Whether decode's few-row int8 products and its attention use the kernels on this
-    machine, and if not why: two lines."""
-    why8, whya = _why_not_int8(), _why_not_attention()
+    """Whether decode's few-row int8 and 4-bit products and its attention use the kernels on
+    this machine, and if not why: three lines."""
+    why8, whya, why4 = _why_not_int8(), _why_not_attention(), _why_not_lowbit()
     return "\n".join([
         "int8 rows: AVX-512 VNNI kernel" if not why8 else f"int8 rows: XLA ({why8})",
+        "4-bit rows: AVX2 kernel" if not why4 else f"4-bit rows: XLA ({why4})",
         "decode attention: AVX-512 kernel" if not whya else f"decode attention: XLA ({whya})"])
 
 
@@ -195,6 +209,18 @@ def available() -> bool:
 def attention_available() -> bool:
     """The decode-attention kernel is built, loaded and registered, and this CPU runs it."""
     return not _why_not_attention()
+
+
+def lowbit_available() -> bool:
+    """The 4-bit kernel is built, loaded and registered, and this CPU runs it (AVX2)."""
+    return not _why_not_lowbit()
+
+
+def lowbit_use_for(m: int, bits: int, group: int) -> bool:
+    """Whether a ``bits``-bit product of ``m`` rows goes to the 4-bit kernel (CPU backend): 4-bit
+    codes in groups of whole words, decode's few rows (a prefill's many keep XLA's GEMM over the
+    dequantized weight, which is made for them)."""
+    return 0 < m <= FEW_ROWS_LOWBIT and bits == 4 and group % 8 == 0 and lowbit_available()
 
 
 def use_for(m: int, k: int) -> bool:
@@ -242,6 +268,29 @@ def int8_rows_token(x: Float[Array, "m k"], w: Int8[Array, "n k"]
     out = (jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32),
            jax.ShapeDtypeStruct((x.shape[0],), jnp.float32))
     return jax.ffi.ffi_call(TOKEN_TARGET, out, vmap_method="sequential")(x, w)
+
+
+def lowbit4_rows(x: Float[Array, "m k"], codes: Array, scale: Array, offset: Array,
+                 group: int) -> Float[Array, "m n"]:
+    """x @ ŵᵀ for 4-bit codes [N, ceil(K / 8)] uint32 (jaxllm.lowbit's packing) with per-group
+    ``scale`` and ``offset`` [N, ceil(K / group)] (float32 or float16), by the kernel
+    (``csrc/lowbit_rows.cc``); float32 sums."""
+    if not lowbit_available():
+        raise CPUKernelError(f"the 4-bit CPU kernel is not available: {_why_not_lowbit()}")
+    M, K = x.shape
+    N = codes.shape[0]
+    groups = -(-K // group)
+    if (codes.shape != (N, -(-K // 8)) or codes.dtype != jnp.uint32 or group % 8
+            or scale.shape != (N, groups) or offset.shape != (N, groups)
+            or scale.dtype != offset.dtype or scale.dtype not in (jnp.float32, jnp.float16)):
+        raise ValueError(f"lowbit4_rows needs x [M, K], codes [N, ceil(K/8)] uint32, scale and "
+                         f"offset [N, ceil(K/group)] of one float dtype, group a multiple of 8; "
+                         f"got x {x.shape}, codes {codes.shape} {codes.dtype}, scale "
+                         f"{scale.shape} {scale.dtype}, offset {offset.shape} {offset.dtype}, "
+                         f"group {group}")
+    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+    return jax.ffi.ffi_call(LOWBIT_TARGET, out, vmap_method="sequential")(
+        x.astype(jnp.float32), codes, scale, offset, group=np.int64(group))
 
 
 def decode_attention(k: Array, v: Array, q: Float[Array, "n rg d"], pick: Int[Array, "b c"],

@@ -1,0 +1,202 @@
+// 4-bit weight-only products of a few rows, for decoding on a CPU: an XLA FFI custom call that
+// pallas_kernels/cpu.py builds with the machine's own compiler (-march=native) and registers.
+//
+//   jaxllm_lowbit4_rows(x f32[M, K], codes u32[N, W], scale [N, Gn], offset [N, Gn]; group G)
+//       -> y f32[M, N],  y[m, n] = sum_k x[m, k] * (c[n, k] * scale[n, k / G] + offset[n, k / G])
+//
+// with c[n, k] the 4-bit field (k % 8) of word k / 8 of row n (jaxllm/lowbit.py's layout: code j
+// of a word in its bits 4j..4j+3; W = ceil(K / 8) words, the padding codes multiply zeros), scale
+// and offset float32 or float16, G a multiple of 8 (a word never straddles two groups).
+//
+// Why: XLA:CPU has no fused dequantize-and-multiply. Its form (jaxllm.lowbit.xla_matmul) writes
+// each weight out in float32 and reads it back for the dot, every step: 20-30x the float32
+// product's time for a SmolLM2 linear at one row (docs/CPU.md). Here each weight row is read
+// once as its packed codes (half a byte a weight), widened in registers and multiplied:
+//
+//   sum_k x[k] * (c[k] * s_g + o_g) = sum_g s_g * (sum_{k in g} x[k] * c[k]) + o_g * xs_g
+//
+// with xs_g the group sums of x, formed once per call. A 256-bit load holds 8 words = 64 codes;
+// field j of the 8 words are the columns 8w + j (w = 0..7), so x is laid out once per call in
+// that order (xt) and every field is one shift, one and, one convert and one FMA per row. Each
+// lane's sum is scaled by its word's group scale at the end of the 64 columns (lanes of one
+// load may lie in two groups when G = 32: GGUF's Q4_0 / Q4_1).
+//
+// AVX2 with FMA and F16C (every x86-64 CPU since 2013-2015, AMD's included); machines without
+// them keep XLA's form. AVX-512 has no path here (not measured: the machines at hand lack it).
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define JAXLLM_AVX2 1
+#endif
+
+#include "blocks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRowsPerBlock = 16;  // output rows per unit of work of the thread pool
+
+#ifdef JAXLLM_AVX2
+inline float load_scalar(const float* p, int64_t i) { return p[i]; }
+inline float load_scalar(const uint16_t* p, int64_t i) { return _cvtsh_ss(p[i]); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows n0..n1 of y for R rows of x (R <= 8, a compile-time count so the sums stay in registers).
+// xt: [R, blocks, 8 fields, 8 words] (x in field order), xs: [R, Gn] group sums.
+template <int R, typename S>
+void rows(const float* xt, const float* xs, const uint32_t* codes, const S* scale,
+          const S* offset, float* y, int64_t K, int64_t W, int64_t Gn, int64_t G, int64_t N,
+          int64_t n0, int64_t n1) {
+  const int64_t blocks = (W + 7) / 8;
+  const __m256i mask = _mm256_set1_epi32(15);
+  alignas(32) uint32_t tail[8];
+  alignas(32) float lane_scale[8];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint32_t* c = codes + n * W;
+    const S* s = scale + n * Gn;
+    __m256 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i v;
+      if (8 * b + 8 <= W) {
+        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 8 * b));
+      } else {  // the row's last words, zero codes after them
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, c + 8 * b, sizeof(uint32_t) * (W - 8 * b));
+        v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+      }
+      __m256 sv;
+      const int64_t col = 64 * b;
+      if (G % 64 == 0 || (col / G == (std::min(col + 63, K - 1)) / G)) {
+        sv = _mm256_set1_ps(load_scalar(s, col / G));
+      } else {
+        for (int w = 0; w < 8; ++w) {
+          const int64_t k = col + 8 * w;
+          lane_scale[w] = k < K ? load_scalar(s, k / G) : 0.0f;
+        }
+        sv = _mm256_load_ps(lane_scale);
+      }
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      const float* xb = xt + b * 64;
+      for (int j = 0; j < 8; ++j, v = _mm256_srli_epi32(v, 4)) {  // field j in the low bits
+        const __m256 cf = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(cf, _mm256_loadu_ps(xb + r * blocks * 64 + 8 * j), acc[r]);
+      }
+      for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(acc[r], sv, total[r]);
+    }
+    const S* o = offset + n * Gn;
+    for (int r = 0; r < R; ++r) {
+      float sum = hsum(total[r]);
+      for (int64_t g = 0; g < Gn; ++g) sum += load_scalar(o, g) * xs[r * Gn + g];
+      y[r * N + n] = sum;
+    }
+  }
+}
+
+template <typename S>
+void product(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const S* scale,
+             const S* offset, float* y, int64_t M, int64_t K, int64_t W, int64_t Gn, int64_t G,
+             int64_t N) {
+  const int64_t blocks = (W + 7) / 8;
+  // x in field order, zero past K: xt[m][b][j][w] = x[m][64 b + 8 w + j]; and the group sums.
+  std::vector<float> xt(M * blocks * 64, 0.0f), xs(M * Gn, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float* t = xt.data() + m * blocks * 64;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t b = k / 64, w = (k % 64) / 8, j = k % 8;
+      t[b * 64 + j * 8 + w] = xm[k];
+      xs[m * Gn + k / G] += xm[k];
+    }
+  }
+  const int64_t work = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t R = std::min<int64_t>(8, M - m0);
+    const float* xtm = xt.data() + m0 * blocks * 64;
+    const float* xsm = xs.data() + m0 * Gn;
+    float* ym = y + m0 * N;
+    jaxllm::for_each_block(pool, work, [=](int64_t i) {
+      const int64_t n0 = i * kRowsPerBlock, n1 = std::min(N, n0 + kRowsPerBlock);
+      switch (R) {
+#define JAXLLM_ROWS(r) \
+  case r:              \
+    rows<r, S>(xtm, xsm, codes, scale, offset, ym, K, W, Gn, G, N, n0, n1); break;
+        JAXLLM_ROWS(1) JAXLLM_ROWS(2) JAXLLM_ROWS(3) JAXLLM_ROWS(4)
+        JAXLLM_ROWS(5) JAXLLM_ROWS(6) JAXLLM_ROWS(7) JAXLLM_ROWS(8)
+#undef JAXLLM_ROWS
+      }
+    });
+  }
+}
+#endif  // JAXLLM_AVX2
+
+ffi::Error Lowbit4Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> codes,
+                       ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
+                       int64_t group) {
+  const std::string name = "jaxllm_lowbit4_rows";
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions(),
+       od = offset.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument(name + " needs x [M, K], codes [N, W], scale [N, Gn]");
+  const int64_t M = xd[0], K = xd[1], N = cd[0], W = cd[1], Gn = sd[1];
+  if (group < 8 || group % 8 || W != (K + 7) / 8 || Gn != (K + group - 1) / group ||
+      sd[0] != N || od.size() != 2 || od[0] != N || od[1] != Gn)
+    return ffi::Error::InvalidArgument(name + ": shapes or group do not match (group a "
+                                       "multiple of 8, W = ceil(K / 8), Gn = ceil(K / group))");
+  if (scale.element_type() != offset.element_type() ||
+      (scale.element_type() != ffi::F32 && scale.element_type() != ffi::F16))
+    return ffi::Error::InvalidArgument(name + ": scale and offset must both be float32 or "
+                                       "both float16");
+#ifndef JAXLLM_AVX2
+  (void)pool, (void)y, (void)M, (void)N;
+  return ffi::Error::InvalidArgument(name + " was built without AVX2, FMA and F16C; use XLA's "
+                                     "form");
+#else
+  if (scale.element_type() == ffi::F32)
+    product(pool, x.typed_data(), codes.typed_data(),
+            static_cast<const float*>(scale.untyped_data()),
+            static_cast<const float*>(offset.untyped_data()), y->typed_data(), M, K, W, Gn,
+            group, N);
+  else
+    product(pool, x.typed_data(), codes.typed_data(),
+            static_cast<const uint16_t*>(scale.untyped_data()),
+            static_cast<const uint16_t*>(offset.untyped_data()), y->typed_data(), M, K, W, Gn,
+            group, N);
+  return ffi::Error::Success();
+#endif
+}
+
+}  // namespace
+
+// 1 where this build has the kernel (the compiler targeted AVX2 with FMA and F16C).
+extern "C" int jaxllm_lowbit_rows_avx2() {
+#ifdef JAXLLM_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLowbit4Rows, Lowbit4Rows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group"));

@@ -1,0 +1,75 @@
+"""The 4-bit CPU kernel (pallas_kernels/csrc/lowbit_rows.cc) against numpy's float64 product
+with the dequantized weight: the kernel sums in float32 in another order than XLA, so results
+are close (to float32 rounding), not equal. It needs a C++ compiler and AVX2 with FMA and F16C;
+without them these tests skip (saying why) and XLA's form is checked to be used instead."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import lowbit
+from pallas_kernels import cpu
+
+needs_kernel = pytest.mark.skipif(not cpu.lowbit_available(),
+                                  reason=f"no kernel here: {cpu.status()}")
+RNG = np.random.default_rng(0)
+
+
+def node(out, n, group, dtype):
+    codes = RNG.integers(0, 16, (out, n)).astype(np.uint8)
+    codes[0] = 15  # the largest code in every field of the first row
+    scale = RNG.uniform(0.01, 0.02, (out, -(-n // group))).astype(dtype)
+    offset = (RNG.uniform(-0.2, 0.0, scale.shape)).astype(dtype)
+    return lowbit.encode(codes, scale, offset, 4, group)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,N,K,group,dtype", [
+    (1, 1536, 576, 32, np.float16),  # SmolLM2's MLP up, GGUF Q4_1 (two groups a 256-bit load)
+    (3, 576, 1536, 128, np.float32),  # RTN's groups of 128
+    (9, 100, 200, 8, np.float32),  # more rows than one pass, a group a word
+    (2, 33, 70, 16, np.float16),  # K not a multiple of 8: the last word half padding
+    (8, 17, 64, 64, np.float32),  # one load a row
+])
+def test_the_kernel_is_numpys_product_with_the_dequantized_weight(M, N, K, group, dtype):
+    w = node(N, K, group, dtype)
+    x = RNG.standard_normal((M, K)).astype(np.float32)
+    want = x.astype(np.float64) @ lowbit.numpy_dequantize(w).T
+    got = np.asarray(jax.jit(lambda x, w: cpu.lowbit4_rows(x, w.codes, w.scale, w.offset,
+                                                           w.group))(x, w))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() * np.sqrt(K))
+
+
+@needs_kernel
+def test_decode_rows_take_the_kernel_and_a_prefill_keeps_xla():
+    """lowbit.matmul sends a few rows of 4-bit codes to the kernel (its FFI target in the
+    compiled CPU program) and many rows, 3-bit codes or groups that split words to XLA's form;
+    both give the same products."""
+    w = node(64, 256, 32, np.float16)
+    for rows, bits_node, kernel in ((1, w, True), (16, w, True), (17, w, False),
+                                    (1, lowbit.encode(np.zeros((64, 256), np.uint8), np.ones(
+                                        (64, 8), np.float32), np.zeros((64, 8), np.float32), 3,
+                                        32), False)):
+        x = jnp.asarray(RNG.standard_normal((rows, 256)), jnp.float32)
+        f = jax.jit(lambda x, n: lowbit.matmul(x, n))
+        text = f.lower(x, bits_node).compile().as_text()
+        assert (cpu.LOWBIT_TARGET in text) == kernel, (rows, bits_node.bits)
+        np.testing.assert_allclose(np.asarray(f(x, bits_node)),
+                                   np.asarray(lowbit.xla_matmul(x, bits_node)), rtol=2e-5,
+                                   atol=2e-5)
+
+
+@needs_kernel
+def test_bad_arguments_are_named():
+    w = node(8, 64, 32, np.float32)
+    with pytest.raises(ValueError, match="group a multiple of 8"):
+        cpu.lowbit4_rows(jnp.ones((1, 64)), w.codes, w.scale, w.offset, 12)
+    with pytest.raises(ValueError, match="one float dtype"):
+        cpu.lowbit4_rows(jnp.ones((1, 64)), w.codes, w.scale, w.offset.astype(jnp.float16), 32)
+
+
+@pytest.mark.skipif(cpu.lowbit_available(), reason="the kernel is available here")
+def test_without_the_kernel_xla_multiplies():
+    w = node(8, 64, 32, np.float32)
+    text = jax.jit(lambda x, n: lowbit.matmul(x, n)).lower(jnp.ones((1, 64)), w).as_text()
+    assert cpu.LOWBIT_TARGET not in text

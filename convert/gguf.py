@@ -21,10 +21,11 @@ template is the file's ``tokenizer.chat_template``, rendered by transformers in 
 Jinja environment.
 
 ``keep_quantized``: the linears stored as Q4_0, Q4_1 or Q8_0 (blocks of 32 weights with a
-float16 scale, and Q4_1's float16 minimum) load as jaxllm.lowbit.QLowBit nodes, their codes
-read from the file's blocks and repacked, never dequantized: Q4_1 w = d·q + m is scale d,
+float16 scale, and Q4_1's float16 minimum), and a tied embedding so stored (the table and the
+head), load as jaxllm.lowbit.QLowBit nodes, their codes read from the file's blocks and
+repacked, never dequantized: Q4_1 w = d·q + m is scale d,
 offset m; Q4_0 w = d·(q - 8) is offset -8d; Q8_0 w = d·q with q int8 is the code q + 128 and
-offset -128d, all exact in float32. Other tensors (the embedding, norms) load as float.
+offset -128d, all exact in float32. Other tensors (norms, an untied head) load as float.
 """
 from __future__ import annotations
 
@@ -207,8 +208,7 @@ def from_gguf(path: str, *, dtype=np.float32, progress: bool = False,
 
     kept = set()
     if keep_quantized:  # replaced below by their codes: not dequantized only to be dropped
-        kept = {hf_name(n) for n, t in tensors.items() if n.split(".")[2:3] and
-                n.split(".")[2] in _LINEARS and t.kind in _BLOCKS}
+        kept = {hf_name(n) for n, t in tensors.items() if _kept(n, t, tensors)}
 
     def get(name: str) -> np.ndarray:
         if name in kept:
@@ -223,17 +223,25 @@ def from_gguf(path: str, *, dtype=np.float32, progress: bool = False,
     return cfg, params
 
 
+def _kept(name: str, tensor, tensors: dict) -> bool:
+    """A tensor ``keep_quantized`` keeps as its blocks: a linear's, or a tied embedding's
+    (the table and the head at once; an untied model's embedding and head stay float)."""
+    parts = name.split(".")
+    return tensor.kind in _BLOCKS and (
+        (name == "token_embd.weight" and "output.weight" not in tensors) or
+        (len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEARS))
+
+
 def _keep_quantized(params, tensors: dict, heads: dict):
     from jaxllm import lowbit, tree
     flat = tree.flatten(params)
     proj = {"attn_q": heads["q_proj"], "attn_k": heads["k_proj"]}
     for name, t in tensors.items():
-        parts = name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LINEARS or \
-                t.kind not in _BLOCKS:
+        if not _kept(name, t, tensors):
             continue
-        arrays = block_codes(t)[:3]
-        if parts[2] in proj:  # llama.cpp's query/key row order, undone row by row
+        parts = name.split(".")
+        *arrays, bits = block_codes(t)
+        if parts[2:3] and parts[2] in proj:  # llama.cpp's query/key row order, undone by rows
             arrays = [unpermute(a, proj[parts[2]]) for a in arrays]
         codes, scale, offset = arrays
         # The file's scales are float16, and so are its offsets where exact (Q4_1's minimum
@@ -241,8 +249,11 @@ def _keep_quantized(params, tensors: dict, heads: dict):
         half = [a.astype(np.float16) for a in (scale, offset)]
         if all(np.array_equal(h.astype(np.float32), a) for h, a in zip(half, (scale, offset))):
             scale, offset = half
-        node = lowbit.encode(codes, scale, offset, block_codes(t)[3], 32)
-        flat[f"layer_{parts[1]}/{_LINEARS[parts[2]]}/kernel"] = node
+        node = lowbit.encode(codes, scale, offset, bits, 32)
+        if name == "token_embd.weight":
+            flat["embed/embedding"] = node
+        else:
+            flat[f"layer_{parts[1]}/{_LINEARS[parts[2]]}/kernel"] = node
     return tree.unflatten(flat)
 
 

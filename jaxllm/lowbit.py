@@ -138,9 +138,9 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[
     """x @ ŵᵀ in ``dtype``. On a GPU or TPU the Pallas kernel (pallas_kernels.packed_matmul)
     reads the packed codes and dequantizes in registers, x and ŵ rounded to ``dtype``, float32
     sums; weights it does not take (3-bit codes, shapes in its ``supports``) use
-    :func:`xla_matmul`. On a CPU with AVX2, a few rows (decode) of 4-bit codes go to the C++
-    kernel that widens the codes in registers (pallas_kernels.cpu.lowbit4_rows); more rows, and
-    other CPUs, use :func:`xla_matmul`. ``JAXLLM_INT8_BACKEND=xla`` chooses the XLA form
+    :func:`xla_matmul`. On a CPU with AVX2, a few rows (decode) of 4- or 8-bit codes go to the
+    C++ kernel that widens the codes in registers (pallas_kernels.cpu.lowbit_rows); more rows,
+    and other CPUs, use :func:`xla_matmul`. ``JAXLLM_INT8_BACKEND=xla`` chooses the XLA form
     everywhere."""
     lead, n = x.shape[:-1], node.in_features
     out = node.codes.shape[0]
@@ -156,8 +156,9 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[
             x2, node.codes, node.scale, node.offset, bits=node.bits, group=node.group,
             in_features=n, dtype=dtype, backend=backend).astype(dtype)
     def on_cpu(x2):
-        return cpu_kernels.lowbit4_rows(x2.astype(dtype).astype(jnp.float32), node.codes,
-                                        node.scale, node.offset, node.group).astype(dtype)
+        return cpu_kernels.lowbit_rows(x2.astype(dtype).astype(jnp.float32), node.codes,
+                                       node.scale, node.offset, node.bits,
+                                       node.group).astype(dtype)
     if pallas_kernels.resolve_backend() == "xla":
         y = xla(x2)
     else:

@@ -58,7 +58,9 @@ class Linear(nn.Module):
 
 class Embed(nn.Module):
     """Token embedding [vocab, dim]; ``attend`` is the tied output head. An int8 table
-    (``QKernel`` with per-row scales) dequantizes the looked-up rows and runs the head in INT8."""
+    (``QKernel`` with per-row scales) dequantizes the looked-up rows and runs the head in INT8;
+    a k-bit one (``QLowBit``: a GGUF file's Q8_0 blocks kept) dequantizes the looked-up rows
+    and multiplies the head by :func:`jaxllm.lowbit.matmul`."""
 
     vocab: int
     dim: int
@@ -69,6 +71,12 @@ class Embed(nn.Module):
         table = self.get_variable("params", "embedding")
         if isinstance(table, QKernel):  # int8 rows, one scale each
             return table.q[tokens].astype(jnp.float32) * table.scale[tokens][..., None]
+        if isinstance(table, QLowBit):  # the looked-up rows only
+            flat = tokens.reshape(-1)
+            rows = lowbit.dequantize(table.replace(codes=table.codes[flat],
+                                                   scale=table.scale[flat],
+                                                   offset=table.offset[flat]))
+            return rows.reshape(*tokens.shape, self.dim)
         table = self.param("embedding", nn.initializers.normal(self.std), (self.vocab, self.dim))
         return table[tokens]
 
@@ -78,6 +86,11 @@ class Embed(nn.Module):
         if isinstance(table, QKernel):  # the table is [vocab, dim] = [out, in]
             return qmatmul(x, table.replace(q=table.q[:vocab], scale=table.scale[:vocab]),
                            jnp.float32)
+        if isinstance(table, QLowBit):
+            if table.codes.shape[0] != vocab:
+                table = table.replace(codes=table.codes[:vocab], scale=table.scale[:vocab],
+                                      offset=table.offset[:vocab])
+            return lowbit.matmul(x, table, jnp.float32)
         return jnp.einsum("...d,vd->...v", x, table[:vocab])
 
 

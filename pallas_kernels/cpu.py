@@ -49,7 +49,7 @@ HEADERS = (CSRC / "blocks.h",)
 TARGET = "jaxllm_int8_rows"
 TOKEN_TARGET = "jaxllm_int8_rows_token"
 ATTENTION_TARGET = "jaxllm_decode_attention"
-LOWBIT_TARGET = "jaxllm_lowbit4_rows"
+LOWBIT_TARGET = "jaxllm_lowbit_rows"
 # What the attention kernel reads: these cache dtypes (uint16: bfloat16's bits), head dims up to
 # MAX_HEAD_DIM (a query head's weighted value sums then fit in 16 vector registers, so each value
 # row is read once; csrc/decode_attention.cc checks the same bound).
@@ -165,7 +165,7 @@ def _library() -> tuple[Optional[ctypes.CDLL], str]:
                                 platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxllmDecodeAttention),
                                 platform="cpu")
-    jax.ffi.register_ffi_target(LOWBIT_TARGET, jax.ffi.pycapsule(lib.JaxllmLowbit4Rows),
+    jax.ffi.register_ffi_target(LOWBIT_TARGET, jax.ffi.pycapsule(lib.JaxllmLowbitRows),
                                 platform="cpu")
     return lib, ""
 
@@ -192,12 +192,12 @@ def _why_not_lowbit() -> str:
 
 
 def status() -> str:
-    """Whether decode's few-row int8 and 4-bit products and its attention use the kernels on
-    this machine, and if not why: three lines."""
+    """Whether decode's few-row int8 (W8A8), 4- and 8-bit (weight-only) products and its
+    attention use the kernels on this machine, and if not why: three lines."""
     why8, whya, why4 = _why_not_int8(), _why_not_attention(), _why_not_lowbit()
     return "\n".join([
         "int8 rows: AVX-512 VNNI kernel" if not why8 else f"int8 rows: XLA ({why8})",
-        "4-bit rows: AVX2 kernel" if not why4 else f"4-bit rows: XLA ({why4})",
+        "4- and 8-bit rows: AVX2 kernel" if not why4 else f"4- and 8-bit rows: XLA ({why4})",
         "decode attention: AVX-512 kernel" if not whya else f"decode attention: XLA ({whya})"])
 
 
@@ -212,15 +212,16 @@ def attention_available() -> bool:
 
 
 def lowbit_available() -> bool:
-    """The 4-bit kernel is built, loaded and registered, and this CPU runs it (AVX2)."""
+    """The low-bit kernel is built, loaded and registered, and this CPU runs it (AVX2)."""
     return not _why_not_lowbit()
 
 
 def lowbit_use_for(m: int, bits: int, group: int) -> bool:
-    """Whether a ``bits``-bit product of ``m`` rows goes to the 4-bit kernel (CPU backend): 4-bit
-    codes in groups of whole words, decode's few rows (a prefill's many keep XLA's GEMM over the
-    dequantized weight, which is made for them)."""
-    return 0 < m <= FEW_ROWS_LOWBIT and bits == 4 and group % 8 == 0 and lowbit_available()
+    """Whether a ``bits``-bit product of ``m`` rows goes to the low-bit kernel (CPU backend):
+    4- or 8-bit codes in groups of whole words, decode's few rows (a prefill's many keep XLA's
+    GEMM over the dequantized weight, which is made for them)."""
+    return (0 < m <= FEW_ROWS_LOWBIT and bits in (4, 8) and group % 8 == 0
+            and lowbit_available())
 
 
 def use_for(m: int, k: int) -> bool:
@@ -270,27 +271,28 @@ def int8_rows_token(x: Float[Array, "m k"], w: Int8[Array, "n k"]
     return jax.ffi.ffi_call(TOKEN_TARGET, out, vmap_method="sequential")(x, w)
 
 
-def lowbit4_rows(x: Float[Array, "m k"], codes: Array, scale: Array, offset: Array,
-                 group: int) -> Float[Array, "m n"]:
-    """x @ ŵᵀ for 4-bit codes [N, ceil(K / 8)] uint32 (jaxllm.lowbit's packing) with per-group
-    ``scale`` and ``offset`` [N, ceil(K / group)] (float32 or float16), by the kernel
-    (``csrc/lowbit_rows.cc``); float32 sums."""
+def lowbit_rows(x: Float[Array, "m k"], codes: Array, scale: Array, offset: Array, bits: int,
+                group: int) -> Float[Array, "m n"]:
+    """x @ ŵᵀ by the kernel (``csrc/lowbit_rows.cc``) for 4-bit codes [N, ceil(K / 8)] uint32
+    (jaxllm.lowbit's packing) or 8-bit ones [N, K] uint8, with per-group ``scale`` and
+    ``offset`` [N, ceil(K / group)] (float32 or float16); float32 sums."""
     if not lowbit_available():
-        raise CPUKernelError(f"the 4-bit CPU kernel is not available: {_why_not_lowbit()}")
+        raise CPUKernelError(f"the low-bit CPU kernel is not available: {_why_not_lowbit()}")
     M, K = x.shape
     N = codes.shape[0]
     groups = -(-K // group)
-    if (codes.shape != (N, -(-K // 8)) or codes.dtype != jnp.uint32 or group % 8
+    want = ((N, -(-K // 8)), jnp.uint32) if bits == 4 else ((N, K), jnp.uint8)
+    if (bits not in (4, 8) or codes.shape != want[0] or codes.dtype != want[1] or group % 8
             or scale.shape != (N, groups) or offset.shape != (N, groups)
             or scale.dtype != offset.dtype or scale.dtype not in (jnp.float32, jnp.float16)):
-        raise ValueError(f"lowbit4_rows needs x [M, K], codes [N, ceil(K/8)] uint32, scale and "
-                         f"offset [N, ceil(K/group)] of one float dtype, group a multiple of 8; "
-                         f"got x {x.shape}, codes {codes.shape} {codes.dtype}, scale "
-                         f"{scale.shape} {scale.dtype}, offset {offset.shape} {offset.dtype}, "
-                         f"group {group}")
+        raise ValueError(f"lowbit_rows needs x [M, K], 4-bit codes [N, ceil(K/8)] uint32 or "
+                         f"8-bit [N, K] uint8, scale and offset [N, ceil(K/group)] of one float "
+                         f"dtype, group a multiple of 8; got x {x.shape}, {bits}-bit codes "
+                         f"{codes.shape} {codes.dtype}, scale {scale.shape} {scale.dtype}, "
+                         f"offset {offset.shape} {offset.dtype}, group {group}")
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)
     return jax.ffi.ffi_call(LOWBIT_TARGET, out, vmap_method="sequential")(
-        x.astype(jnp.float32), codes, scale, offset, group=np.int64(group))
+        x.astype(jnp.float32), codes, scale, offset, bits=np.int64(bits), group=np.int64(group))
 
 
 def decode_attention(k: Array, v: Array, q: Float[Array, "n rg d"], pick: Int[Array, "b c"],

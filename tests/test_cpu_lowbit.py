@@ -1,4 +1,4 @@
-"""The 4-bit CPU kernel (pallas_kernels/csrc/lowbit_rows.cc) against numpy's float64 product
+"""The 4- and 8-bit CPU kernel (pallas_kernels/csrc/lowbit_rows.cc) against numpy's float64 product
 with the dequantized weight: the kernel sums in float32 in another order than XLA, so results
 are close (to float32 rounding), not equal. It needs a C++ compiler and AVX2 with FMA and F16C;
 without them these tests skip (saying why) and XLA's form is checked to be used instead."""
@@ -15,36 +15,38 @@ needs_kernel = pytest.mark.skipif(not cpu.lowbit_available(),
 RNG = np.random.default_rng(0)
 
 
-def node(out, n, group, dtype):
-    codes = RNG.integers(0, 16, (out, n)).astype(np.uint8)
-    codes[0] = 15  # the largest code in every field of the first row
+def node(out, n, group, dtype, bits=4):
+    codes = RNG.integers(0, 1 << bits, (out, n)).astype(np.uint8)
+    codes[0] = (1 << bits) - 1  # the largest code in every field of the first row
     scale = RNG.uniform(0.01, 0.02, (out, -(-n // group))).astype(dtype)
     offset = (RNG.uniform(-0.2, 0.0, scale.shape)).astype(dtype)
-    return lowbit.encode(codes, scale, offset, 4, group)
+    return lowbit.encode(codes, scale, offset, bits, group)
 
 
 @needs_kernel
-@pytest.mark.parametrize("M,N,K,group,dtype", [
-    (1, 1536, 576, 32, np.float16),  # SmolLM2's MLP up, GGUF Q4_1 (two groups a 256-bit load)
-    (3, 576, 1536, 128, np.float32),  # RTN's groups of 128
-    (9, 100, 200, 8, np.float32),  # more rows than one pass, a group a word
-    (2, 33, 70, 16, np.float16),  # K not a multiple of 8: the last word half padding
-    (8, 17, 64, 64, np.float32),  # one load a row
+@pytest.mark.parametrize("M,N,K,group,dtype,bits", [
+    (1, 1536, 576, 32, np.float16, 4),  # SmolLM2's MLP up, Q4_1 (two groups a 256-bit load)
+    (3, 576, 1536, 128, np.float32, 4),  # RTN's groups of 128
+    (9, 100, 200, 8, np.float32, 4),  # more rows than one pass, a group a word
+    (2, 33, 70, 16, np.float16, 4),  # K not a multiple of 8: the last word half padding
+    (8, 17, 64, 64, np.float32, 4),  # one load a row
+    (1, 3000, 576, 32, np.float16, 8),  # SmolLM2's Q8_0 head, some of its rows
+    (10, 40, 131, 16, np.float32, 8),  # K not a multiple of 8; two passes over the rows
 ])
-def test_the_kernel_is_numpys_product_with_the_dequantized_weight(M, N, K, group, dtype):
-    w = node(N, K, group, dtype)
+def test_the_kernel_is_numpys_product_with_the_dequantized_weight(M, N, K, group, dtype, bits):
+    w = node(N, K, group, dtype, bits)
     x = RNG.standard_normal((M, K)).astype(np.float32)
     want = x.astype(np.float64) @ lowbit.numpy_dequantize(w).T
-    got = np.asarray(jax.jit(lambda x, w: cpu.lowbit4_rows(x, w.codes, w.scale, w.offset,
-                                                           w.group))(x, w))
+    got = np.asarray(jax.jit(lambda x, w: cpu.lowbit_rows(x, w.codes, w.scale, w.offset,
+                                                          w.bits, w.group))(x, w))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() * np.sqrt(K))
 
 
 @needs_kernel
 def test_decode_rows_take_the_kernel_and_a_prefill_keeps_xla():
     """lowbit.matmul sends a few rows of 4-bit codes to the kernel (its FFI target in the
-    compiled CPU program) and many rows, 3-bit codes or groups that split words to XLA's form;
-    both give the same products."""
+    compiled CPU program) and many rows or 3-bit codes to XLA's form; both give the same
+    products."""
     w = node(64, 256, 32, np.float16)
     for rows, bits_node, kernel in ((1, w, True), (16, w, True), (17, w, False),
                                     (1, lowbit.encode(np.zeros((64, 256), np.uint8), np.ones(
@@ -63,9 +65,11 @@ def test_decode_rows_take_the_kernel_and_a_prefill_keeps_xla():
 def test_bad_arguments_are_named():
     w = node(8, 64, 32, np.float32)
     with pytest.raises(ValueError, match="group a multiple of 8"):
-        cpu.lowbit4_rows(jnp.ones((1, 64)), w.codes, w.scale, w.offset, 12)
+        cpu.lowbit_rows(jnp.ones((1, 64)), w.codes, w.scale, w.offset, 4, 12)
     with pytest.raises(ValueError, match="one float dtype"):
-        cpu.lowbit4_rows(jnp.ones((1, 64)), w.codes, w.scale, w.offset.astype(jnp.float16), 32)
+        cpu.lowbit_rows(jnp.ones((1, 64)), w.codes, w.scale, w.offset.astype(jnp.float16), 4, 32)
+    with pytest.raises(ValueError, match="8-bit"):
+        cpu.lowbit_rows(jnp.ones((1, 64)), w.codes, w.scale, w.offset, 8, 32)
 
 
 @pytest.mark.skipif(cpu.lowbit_available(), reason="the kernel is available here")

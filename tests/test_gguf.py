@@ -256,8 +256,8 @@ def test_gptq_beats_rtn_on_the_real_models_activations(real):
 
 
 def test_keep_quantized_reads_the_files_blocks(real):
-    """--keep-quantized: every Q4_1 linear becomes a 4-bit node whose codes are the file's
-    nibbles (unpacked here by numpy: low nibbles elements 0-15, high 16-31; q/k rows back in
+    """--keep-quantized: every Q4_1 linear becomes a 4-bit node (the tied Q8_0 embedding an
+    8-bit one) whose codes are the file's nibbles (unpacked here by numpy: low nibbles elements 0-15, high 16-31; q/k rows back in
     HF order), at no more than 1.05x the file's bytes, standing for exactly the float load's
     weights (so the same logits); and the Pallas kernel's product over them (interpreted) is
     the float load's."""
@@ -285,15 +285,19 @@ def test_keep_quantized_reads_the_files_blocks(real):
     for k, v in flat.items():
         if isinstance(v, lowbit.QLowBit):
             parts = k.split("/")
-            g = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-                 "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}[parts[2]]
-            file_bytes += tensors[f"blk.{parts[0][6:]}.{g}.weight"].n_bytes
+            g = "token_embd" if k == "embed/embedding" else {
+                "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}[parts[2]]
+            file_bytes += tensors[f"blk.{parts[0][6:]}.{g}.weight" if parts[0] != "embed"
+                                  else "token_embd.weight"].n_bytes
             ours += v.nbytes
     assert ours <= 1.05 * file_bytes, (ours, file_bytes)
+    assert flat["embed/embedding"].bits == 8  # the tied embedding's Q8_0 blocks, kept too
     floats = tree.flatten(params)
     for k, v in flat.items():
-        if isinstance(v, lowbit.QLowBit):
-            np.testing.assert_array_equal(np.asarray(lowbit.dequantize(v)).T,
+        if isinstance(v, lowbit.QLowBit):  # kernels are [in, out], the table [vocab, dim]
+            w = np.asarray(lowbit.dequantize(v))
+            np.testing.assert_array_equal(w if k == "embed/embedding" else w.T,
                                           np.asarray(floats[k]))
         else:
             np.testing.assert_array_equal(np.asarray(v), np.asarray(floats[k]))
@@ -309,6 +313,23 @@ def test_keep_quantized_reads_the_files_blocks(real):
                                dtype=jnp.float32, backend=backend, interpret=True)
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
+
+
+def test_keep_quantized_scores_as_the_float_load(real):
+    """The file's blocks kept (4-bit linears, the 8-bit tied embedding and head), multiplied by
+    the CPU kernel where it runs (chunks of 8 rows: decode's path) and by XLA's form elsewhere:
+    every token's loss through a StreamingLLM cache is the float load's, the perplexity to
+    1e-4 relative."""
+    from jaxllm.ppl import stream_score
+    _, _, cfg, params, tok = real
+    kept = jg._keep_quantized(params, jg._reader(_real_file()).tensors,
+                              {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads})
+    ids = tok.encode(" ".join(TEXTS))[:48]
+    policy = jaxllm.StreamingLLM(sinks=4, cache=24)
+    nll_f, _ = stream_score(params, cfg, ids, policy, chunk=8)
+    nll_q, _ = stream_score(kept, cfg, ids, policy, chunk=8)
+    np.testing.assert_allclose(nll_q, nll_f, rtol=1e-4, atol=1e-4)
+    assert abs(np.exp(nll_q.mean()) / np.exp(nll_f.mean()) - 1) < 1e-4
 
 # ---- the container, read by convert.gguf_file -------------------------------------------------
 

@@ -1,12 +1,15 @@
-// 4-bit weight-only products of a few rows, for decoding on a CPU: an XLA FFI custom call that
-// pallas_kernels/cpu.py builds with the machine's own compiler (-march=native) and registers.
+// 4-bit and 8-bit weight-only products of a few rows, for decoding on a CPU: an XLA FFI custom
+// call that pallas_kernels/cpu.py builds with the machine's own compiler (-march=native) and
+// registers.
 //
-//   jaxllm_lowbit4_rows(x f32[M, K], codes u32[N, W], scale [N, Gn], offset [N, Gn]; group G)
+//   jaxllm_lowbit_rows(x f32[M, K], codes [N, W], scale [N, Gn], offset [N, Gn]; bits, group G)
 //       -> y f32[M, N],  y[m, n] = sum_k x[m, k] * (c[n, k] * scale[n, k / G] + offset[n, k / G])
 //
-// with c[n, k] the 4-bit field (k % 8) of word k / 8 of row n (jaxllm/lowbit.py's layout: code j
-// of a word in its bits 4j..4j+3; W = ceil(K / 8) words, the padding codes multiply zeros), scale
-// and offset float32 or float16, G a multiple of 8 (a word never straddles two groups).
+// 4 bits: codes u32 [N, ceil(K / 8)], c[n, k] the 4-bit field (k % 8) of word k / 8 of row n
+// (jaxllm/lowbit.py's layout: code j of a word in its bits 4j..4j+3; the padding codes multiply
+// zeros). 8 bits: codes u8 [N, K], one a byte (a GGUF file's Q8_0 embedding and tied head, as
+// codes q + 128). Scale and offset float32 or float16; G a multiple of 8 (a word never straddles
+// two groups).
 //
 // Why: XLA:CPU has no fused dequantize-and-multiply. Its form (jaxllm.lowbit.xla_matmul) writes
 // each weight out in float32 and reads it back for the dot, every step: 20-30x the float32
@@ -21,8 +24,11 @@
 // lane's sum is scaled by its word's group scale at the end of the 64 columns (lanes of one
 // load may lie in two groups when G = 32: GGUF's Q4_0 / Q4_1).
 //
+// 8 bits: 8 codes widened a load (vpmovzxbd), one FMA a row, each group's sums scaled once.
+//
 // AVX2 with FMA and F16C (every x86-64 CPU since 2013-2015, AMD's included); machines without
 // them keep XLA's form. AVX-512 has no path here (not measured: the machines at hand lack it).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -40,7 +46,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRowsPerBlock = 16;  // output rows per unit of work of the thread pool
+// Output rows per unit of work of the thread pool: at least kWeightsPerBlock weights, so a small
+// linear (SmolLM2's 192 x 576 key projection) is not split into pieces that cost more to hand
+// to a thread than to compute.
+constexpr int64_t kWeightsPerBlock = 1 << 16;
+inline int64_t rows_per_block(int64_t K) { return std::max<int64_t>(8, kWeightsPerBlock / K); }
 
 #ifdef JAXLLM_AVX2
 inline float load_scalar(const float* p, int64_t i) { return p[i]; }
@@ -63,9 +73,10 @@ void rows(const float* xt, const float* xs, const uint32_t* codes, const S* scal
   const __m256i mask = _mm256_set1_epi32(15);
   alignas(32) uint32_t tail[8];
   alignas(32) float lane_scale[8];
+  std::vector<float> sf(Gn + 1, 0.0f);  // a row's scales in float32 (one past the end: 0)
   for (int64_t n = n0; n < n1; ++n) {
     const uint32_t* c = codes + n * W;
-    const S* s = scale + n * Gn;
+    for (int64_t g = 0; g < Gn; ++g) sf[g] = load_scalar(scale + n * Gn, g);
     __m256 total[R];
     for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -77,14 +88,18 @@ void rows(const float* xt, const float* xs, const uint32_t* codes, const S* scal
         std::memcpy(tail, c + 8 * b, sizeof(uint32_t) * (W - 8 * b));
         v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
       }
+      // Each lane's (word's) group scale: one group for the 64 columns, or two of 32 (GGUF's
+      // blocks; lanes past K multiply zeros, so the padding scale 0 is harmless).
       __m256 sv;
       const int64_t col = 64 * b;
-      if (G % 64 == 0 || (col / G == (std::min(col + 63, K - 1)) / G)) {
-        sv = _mm256_set1_ps(load_scalar(s, col / G));
+      if (G % 64 == 0) {
+        sv = _mm256_set1_ps(sf[col / G]);
+      } else if (G == 32) {
+        sv = _mm256_set_m128(_mm_set1_ps(sf[2 * b + 1]), _mm_set1_ps(sf[2 * b]));
       } else {
         for (int w = 0; w < 8; ++w) {
           const int64_t k = col + 8 * w;
-          lane_scale[w] = k < K ? load_scalar(s, k / G) : 0.0f;
+          lane_scale[w] = k < K ? sf[k / G] : 0.0f;
         }
         sv = _mm256_load_ps(lane_scale);
       }
@@ -107,6 +122,67 @@ void rows(const float* xt, const float* xs, const uint32_t* codes, const S* scal
   }
 }
 
+// The 8-bit rows n0..n1 for R rows of x (natural column order; xs: [R, Gn] group sums).
+template <int R, typename S>
+void rows8(const float* x, const float* xs, const uint8_t* codes, const S* scale,
+           const S* offset, float* y, int64_t K, int64_t Gn, int64_t G, int64_t N, int64_t n0,
+           int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * K;
+    const S* s = scale + n * Gn;
+    const S* o = offset + n * Gn;
+    __m256 total[R];
+    float tail[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps(), tail[r] = 0.0f;
+    for (int64_t g = 0; g < Gn; ++g) {
+      const int64_t k0 = g * G, k1 = std::min(K, k0 + G), kv = k0 + (k1 - k0) / 8 * 8;
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t k = k0; k < kv; k += 8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k));
+        const __m256 cf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(cf, _mm256_loadu_ps(x + r * K + k), acc[r]);
+      }
+      const float sg = load_scalar(s, g), og = load_scalar(o, g);
+      for (int r = 0; r < R; ++r) {
+        float rest = 0.0f;  // columns past the last whole 8 (K not a multiple of 8)
+        for (int64_t k = kv; k < k1; ++k) rest += x[r * K + k] * static_cast<float>(c[k]);
+        total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(sg), total[r]);
+        tail[r] += sg * rest + og * xs[r * Gn + g];
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * N + n] = hsum(total[r]) + tail[r];
+  }
+}
+
+template <typename S>
+void product8(ffi::ThreadPool& pool, const float* x, const uint8_t* codes, const S* scale,
+              const S* offset, float* y, int64_t M, int64_t K, int64_t Gn, int64_t G,
+              int64_t N) {
+  std::vector<float> xs(M * Gn, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xs[m * Gn + k / G] += x[m * K + k];
+  const int64_t per = rows_per_block(K), work = (N + per - 1) / per;
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t R = std::min<int64_t>(8, M - m0);
+    const float* xm = x + m0 * K;
+    const float* xsm = xs.data() + m0 * Gn;
+    float* ym = y + m0 * N;
+    jaxllm::for_each_block(pool, work, [=](int64_t i) {
+      const int64_t n0 = i * per, n1 = std::min(N, n0 + per);
+      switch (R) {
+#define JAXLLM_ROWS(r) \
+  case r:              \
+    rows8<r, S>(xm, xsm, codes, scale, offset, ym, K, Gn, G, N, n0, n1); break;
+        JAXLLM_ROWS(1) JAXLLM_ROWS(2) JAXLLM_ROWS(3) JAXLLM_ROWS(4)
+        JAXLLM_ROWS(5) JAXLLM_ROWS(6) JAXLLM_ROWS(7) JAXLLM_ROWS(8)
+#undef JAXLLM_ROWS
+      }
+    });
+  }
+}
+
 template <typename S>
 void product(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const S* scale,
              const S* offset, float* y, int64_t M, int64_t K, int64_t W, int64_t Gn, int64_t G,
@@ -123,14 +199,14 @@ void product(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const
       xs[m * Gn + k / G] += xm[k];
     }
   }
-  const int64_t work = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t per = rows_per_block(K), work = (N + per - 1) / per;
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const int64_t R = std::min<int64_t>(8, M - m0);
     const float* xtm = xt.data() + m0 * blocks * 64;
     const float* xsm = xs.data() + m0 * Gn;
     float* ym = y + m0 * N;
     jaxllm::for_each_block(pool, work, [=](int64_t i) {
-      const int64_t n0 = i * kRowsPerBlock, n1 = std::min(N, n0 + kRowsPerBlock);
+      const int64_t n0 = i * per, n1 = std::min(N, n0 + per);
       switch (R) {
 #define JAXLLM_ROWS(r) \
   case r:              \
@@ -144,38 +220,49 @@ void product(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const
 }
 #endif  // JAXLLM_AVX2
 
-ffi::Error Lowbit4Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> codes,
-                       ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
-                       int64_t group) {
-  const std::string name = "jaxllm_lowbit4_rows";
+ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                      ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
+                      int64_t bits, int64_t group) {
+  const std::string name = "jaxllm_lowbit_rows";
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions(),
        od = offset.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument(name + " needs x [M, K], codes [N, W], scale [N, Gn]");
   const int64_t M = xd[0], K = xd[1], N = cd[0], W = cd[1], Gn = sd[1];
-  if (group < 8 || group % 8 || W != (K + 7) / 8 || Gn != (K + group - 1) / group ||
-      sd[0] != N || od.size() != 2 || od[0] != N || od[1] != Gn)
+  const bool four = bits == 4;
+  if ((bits != 4 && bits != 8) ||
+      codes.element_type() != (four ? ffi::U32 : ffi::U8) || W != (four ? (K + 7) / 8 : K))
+    return ffi::Error::InvalidArgument(name + ": 4-bit codes come as u32 [N, ceil(K / 8)], "
+                                       "8-bit ones as u8 [N, K]");
+  if (group < 8 || group % 8 || Gn != (K + group - 1) / group || sd[0] != N ||
+      od.size() != 2 || od[0] != N || od[1] != Gn)
     return ffi::Error::InvalidArgument(name + ": shapes or group do not match (group a "
-                                       "multiple of 8, W = ceil(K / 8), Gn = ceil(K / group))");
+                                       "multiple of 8, Gn = ceil(K / group))");
   if (scale.element_type() != offset.element_type() ||
       (scale.element_type() != ffi::F32 && scale.element_type() != ffi::F16))
     return ffi::Error::InvalidArgument(name + ": scale and offset must both be float32 or "
                                        "both float16");
 #ifndef JAXLLM_AVX2
-  (void)pool, (void)y, (void)M, (void)N;
+  (void)pool, (void)y, (void)M;
   return ffi::Error::InvalidArgument(name + " was built without AVX2, FMA and F16C; use XLA's "
                                      "form");
 #else
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  auto run = [&](auto* s, auto* o) {
+    if (four)
+      product(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, M, K, W,
+              Gn, group, N);
+    else
+      product8(pool, xp, static_cast<const uint8_t*>(codes.untyped_data()), s, o, yp, M, K, Gn,
+               group, N);
+  };
   if (scale.element_type() == ffi::F32)
-    product(pool, x.typed_data(), codes.typed_data(),
-            static_cast<const float*>(scale.untyped_data()),
-            static_cast<const float*>(offset.untyped_data()), y->typed_data(), M, K, W, Gn,
-            group, N);
+    run(static_cast<const float*>(scale.untyped_data()),
+        static_cast<const float*>(offset.untyped_data()));
   else
-    product(pool, x.typed_data(), codes.typed_data(),
-            static_cast<const uint16_t*>(scale.untyped_data()),
-            static_cast<const uint16_t*>(offset.untyped_data()), y->typed_data(), M, K, W, Gn,
-            group, N);
+    run(static_cast<const uint16_t*>(scale.untyped_data()),
+        static_cast<const uint16_t*>(offset.untyped_data()));
   return ffi::Error::Success();
 #endif
 }
@@ -191,12 +278,13 @@ extern "C" int jaxllm_lowbit_rows_avx2() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLowbit4Rows, Lowbit4Rows,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLowbitRows, LowbitRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group"));

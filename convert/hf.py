@@ -20,6 +20,7 @@ import numpy as np
 from jaxllm import tree
 from jaxllm.config import ModelConfig
 from jaxllm.io import ModelReader, atomic_dir, check_params
+from jaxllm.confine import confined
 from jaxllm.tokenizer import copy_tokenizer
 
 from .families import ALIASES, BASE_PREFIX, NAMES, UnsupportedModel, config_from_hf, config_to_hf
@@ -45,7 +46,6 @@ class _SafetensorsDir:
 
     def __init__(self, path: str, stack: contextlib.ExitStack):
         from safetensors import SafetensorError, safe_open
-        from jaxllm.io import confined
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             from jaxllm.io import read_json
@@ -109,7 +109,6 @@ def _source(path: str, allow_pickle: bool, stack) -> tuple[dict, Callable, Itera
     if not is_hf_dir(path):
         raise ValueError(f"{os.path.join(path, CONFIG)} is missing or has no model_type: not a "
                          f"Hugging Face model directory")
-    from jaxllm.io import confined
     with open(confined(path, os.path.join(path, CONFIG), path)) as f:
         hf_cfg = json.load(f)
     if any(f.endswith(".safetensors") for f in os.listdir(path)):

@@ -26,6 +26,7 @@ import numpy as np
 from . import outputs, tree
 from .errors import P, SettingError
 from .config import PRESETS, ModelConfig
+from .confine import confined
 from .model import init_params
 from .quant import from_plain, to_plain
 from .tokenizer import (ByteTokenizer, Tokenizer, copy_tokenizer,
@@ -480,17 +481,6 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
                              f"or {TOKENIZER_DIR!r}")
         tok_spec = confined(spec, os.path.join(spec, tok_spec), cfg_path, "field 'tokenizer'")
     return cfg, params, load_tokenizer(tok_spec)
-
-
-def confined(model_dir: str, path: str, named_by: str, what: str = "") -> str:
-    """``path`` with symlinks resolved, refused when it leaves ``model_dir`` (an untrusted
-    model directory must not make a reader open files elsewhere)."""
-    root, real = os.path.realpath(model_dir), os.path.realpath(path)
-    if os.path.lexists(path) and not (real == root or real.startswith(root + os.sep)):
-        raise ValueError(f"{named_by}: {what or os.path.basename(path)} leads outside the model "
-                         f"directory ({path} -> {real}): refusing to read it; copy the file "
-                         f"into {model_dir}")
-    return real
 
 
 def _restore_orbax(path: str, sharding):

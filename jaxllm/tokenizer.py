@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import Protocol, Sequence
 
+from .confine import confined
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -30,7 +32,6 @@ def _confined_files(src: str) -> dict[str, str]:
     """name -> real path of the tokenizer files in ``src``, each refused if it leads outside
     ``src`` (a symlink to a file elsewhere would be read, or copied into a directory a user
     publishes)."""
-    from .io import confined
     return {n: confined(src, os.path.join(src, n), src, f"tokenizer file {n}")
             for n in TOKENIZER_FILES if os.path.exists(os.path.join(src, n))}
 

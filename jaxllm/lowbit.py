@@ -33,8 +33,14 @@ PACKED = (2, 3, 4)
 
 
 def pack(codes, bits: int):
-    """uint8 codes [..., n] -> uint32 [..., ceil(n / per)], per = 32 // bits."""
+    """uint8 codes [..., n] -> uint32 [..., ceil(n / per)], per = 32 // bits (numpy in, numpy
+    out: a loader packs on the host, without a compiled program per weight shape)."""
     per = 32 // bits
+    if isinstance(codes, np.ndarray):
+        n = codes.shape[-1]
+        c = np.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, -n % per)]).astype(np.uint32)
+        c = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
+        return np.bitwise_or.reduce(c << (bits * np.arange(per, dtype=np.uint32)), axis=-1)
     n = codes.shape[-1]
     c = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, -n % per)]).astype(jnp.uint32)
     c = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
@@ -96,11 +102,12 @@ def encode(codes, scale, offset, bits: int, group: int) -> QLowBit:
     float16 when given so, e.g. a GGUF file's exact float16 scales; float32 otherwise)."""
     out, in_features = codes.shape
     check(bits, group, in_features)
-    c = jnp.asarray(codes).astype(jnp.uint8)
+    c = codes.astype(np.uint8) if isinstance(codes, np.ndarray) else \
+        jnp.asarray(codes).astype(jnp.uint8)
     keep = lambda a: jnp.asarray(a, jnp.float16 if jnp.asarray(a).dtype == jnp.float16  # noqa
                                  else jnp.float32)
-    return QLowBit(pack(c, bits) if bits in PACKED else c, keep(scale), keep(offset),
-                   bits=bits, group=group, in_features=in_features)
+    return QLowBit(jnp.asarray(pack(c, bits) if bits in PACKED else c), keep(scale),
+                   keep(offset), bits=bits, group=group, in_features=in_features)
 
 
 def codes_of(node: QLowBit) -> Array:

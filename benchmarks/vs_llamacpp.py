@@ -1,0 +1,226 @@
+"""jaxllm against llama.cpp on the same GGUF file and the same prompt ids, on this CPU.
+
+Every measurement is a fresh process (so load time and peak memory are its own), the two
+programs alternated run by run: jaxllm in each weight format (float32 as loaded, bfloat16,
+int8 weight-only W8, the file's 4-bit blocks kept) with a dense and a StreamingLLM 4+1020
+cache, and llama.cpp through llama-cpp-python, which is never a jaxllm dependency: build it in
+an environment of its own and pass that environment's Python,
+
+    python -m venv ~/llama-env && ~/llama-env/bin/pip install llama-cpp-python==0.3.36
+    python benchmarks/vs_llamacpp.py --llama-python ~/llama-env/bin/python
+
+Greedy decoding from the same prompt ids (the first --prompt tokens of the embedded corpus). A
+run reports load seconds, prefill tokens/s, decode tokens/s over --new tokens (the first
+token's time, which holds the prefill, left out), CPU-seconds per decoded token (user + system
+of all its threads: the steady figure on a shared machine) and its peak RSS. Compilation is
+done before the timed calls (a warm-up of the same shapes). Beside them, the weight-read floor:
+the bytes of weights one decode step reads over this machine's measured read rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FORMATS = ("float32", "bfloat16", "w8", "4bit")
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- workers (one process each) ----------------------------------------------------------------
+
+def worker_jaxllm(a) -> dict:
+    sys.path.insert(0, os.path.dirname(HERE))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxllm
+    from jaxllm import quant
+    ids = json.load(open(a.ids))
+    t0 = time.perf_counter()
+    cfg, params, tok = jaxllm.load_model(a.gguf, keep_quantized=a.format == "4bit")
+    jax.block_until_ready(params)
+    load_s = time.perf_counter() - t0
+    if a.format == "bfloat16":
+        params = quant.decode_weights(params, "bfloat16")
+    elif a.format == "w8":
+        calib = np.asarray(ids * 4, np.int32)[:4 * 64]
+        params = jaxllm.smoothquant.quantize(params, cfg, calib, "w8", smooth=False,
+                                             calib=jaxllm.CalibConfig(n_seqs=4, seq_len=64,
+                                                                      batch=4))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    prompt = jnp.asarray([ids], jnp.int32)
+
+    def cache():
+        if a.cache == "dense":
+            return jaxllm.init_cache(cfg, 1, sinks=0, window=len(ids) + a.new + 1, ring=False)
+        return jaxllm.init_cache(cfg, 1, sinks=4, window=1020)
+
+    def run(n):
+        out = jaxllm.generate(params, cfg, prompt, cache(), jaxllm.SamplingConfig(
+            max_new_tokens=n))
+        jax.block_until_ready(out)
+        return out
+
+    run(1), run(a.new)  # compile both programs (the budgets 1 and N: two widths)
+    c0, t0 = _cpu(), time.perf_counter()
+    run(1)
+    prefill_s, prefill_cpu = time.perf_counter() - t0, _cpu() - c0
+    c0, t0 = _cpu(), time.perf_counter()
+    out = run(a.new)
+    total_s, total_cpu = time.perf_counter() - t0, _cpu() - c0
+    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": total_s - prefill_s,
+            "decode_cpu_s": total_cpu - prefill_cpu, "peak_mib": _peak_mib(),
+            "weight_bytes": weight_bytes,
+            "tokens": [int(t) for t in np.asarray(out.tokens[0])]}
+
+
+def worker_llama(a) -> dict:
+    from llama_cpp import Llama
+    ids = json.load(open(a.ids))
+    t0 = time.perf_counter()
+    llm = Llama(model_path=a.gguf, n_ctx=len(ids) + a.new + 16, n_threads=os.cpu_count(),
+                n_batch=512, verbose=False)
+    load_s = time.perf_counter() - t0
+
+    def run(n):
+        out = []
+        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(tok)
+            if len(out) == 1:
+                marks.append((time.perf_counter(), _cpu()))
+            if len(out) == n:
+                break
+        marks.append((time.perf_counter(), _cpu()))
+        return out
+
+    marks: list = []
+    run(2)  # warm-up
+    marks = [(time.perf_counter(), _cpu())]
+    out = run(a.new)
+    (t0, c0), (t1, c1), (t2, c2) = marks
+    return {"load_s": load_s, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+            "decode_cpu_s": c2 - c1, "peak_mib": _peak_mib(), "tokens": out}
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+def read_rate_gbs() -> float:
+    """This machine's read rate, GB/s: the fastest sum of a 512 MiB float32 buffer (numpy)."""
+    import numpy as np
+    buf = np.ones(128 << 20, np.float32)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.nbytes / best / 1e9
+
+
+def spawn(python: str, kind: str, a, **over) -> dict:
+    args = [python, os.path.abspath(__file__), "--worker", kind, "--gguf", a.gguf, "--ids",
+            a.ids, "--new", str(a.new)]
+    for k, v in over.items():
+        args += [f"--{k}", str(v)]
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{kind} {over} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", choices=["jaxllm", "llama"], help=argparse.SUPPRESS)
+    ap.add_argument("--format", default="float32", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default="streaming", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help="the GGUF file (default: SmolLM2's, packaged)")
+    ap.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=128, help="tokens generated")
+    ap.add_argument("--repeats", type=int, default=2, help="alternated runs of each")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--caches", default="dense,streaming")
+    ap.add_argument("--dry", action="store_true", help="print, do not record")
+    a = ap.parse_args()
+    if a.worker:
+        fn = worker_jaxllm if a.worker == "jaxllm" else worker_llama
+        print(json.dumps(fn(a)))
+        return
+    if not a.llama_python:
+        ap.error("--llama-python is required: a Python with llama-cpp-python (see the docstring)")
+    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, HERE)
+    import tempfile
+
+    import jaxllm
+    from jaxllm.corpus import builtin_corpus
+    from jaxllm.io import packaged_path
+    from _record import machine, record
+    a.gguf = a.gguf or packaged_path("smollm2")
+    _, _, tok = jaxllm.load_model(a.gguf)
+    ids = tok.encode(builtin_corpus())[:a.prompt]
+    fd, a.ids = tempfile.mkstemp(suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(ids, f)
+    rate = read_rate_gbs()
+    runs: dict = {}
+    combos = [("llama", "-", "dense")] + [("jaxllm", f, c) for f in a.formats.split(",")
+                                          for c in a.caches.split(",")]
+    try:
+        for rep in range(a.repeats):
+            for kind, fmt, cache in combos:
+                r = spawn(a.llama_python if kind == "llama" else sys.executable, kind, a,
+                          format=fmt, cache=cache)
+                runs.setdefault((kind, fmt, cache), []).append(r)
+                print(f"run {rep + 1}: {kind} {fmt} {cache}: decode "
+                      f"{(a.new - 1) / r['decode_s']:.1f} tok/s", file=sys.stderr)
+    finally:
+        os.unlink(a.ids)
+    med = lambda key, rs: statistics.median(r[key] for r in rs)  # noqa: E731
+    base = runs[("llama", "-", "dense")]
+    b_tps, b_cpu = (a.new - 1) / med("decode_s", base), med("decode_cpu_s", base) / (a.new - 1)
+    b_pre = a.prompt / med("prefill_s", base)
+    lines = ["| program | weights | KV cache | load s | prefill tok/s | decode tok/s | "
+             "CPU-ms / token | peak RSS MiB | decode vs llama.cpp | CPU / token vs llama.cpp "
+             "| prefill vs llama.cpp | weight-read floor tok/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (kind, fmt, cache), rs in runs.items():
+        tps = (a.new - 1) / med("decode_s", rs)
+        cpu = med("decode_cpu_s", rs) / (a.new - 1)
+        pre = a.prompt / med("prefill_s", rs)
+        floor = (f"{rate * 1e9 / rs[0]['weight_bytes']:.0f}" if "weight_bytes" in rs[0]
+                 else "")
+        lines.append(f"| {'llama.cpp' if kind == 'llama' else 'jaxllm'} | "
+                     f"{'the file (Q4_1)' if kind == 'llama' else fmt} | "
+                     f"{'dense' if kind == 'llama' else cache} | {med('load_s', rs):.2f} | "
+                     f"{pre:.0f} | {tps:.1f} | {cpu * 1e3:.0f} | {med('peak_mib', rs):.0f} | "
+                     f"{tps / b_tps:.2f}x | {cpu / b_cpu:.2f}x | {pre / b_pre:.2f}x | {floor} |")
+    same = sum(r["tokens"][:16] == base[0]["tokens"][:16] for rs in runs.values() for r in rs)
+    notes = (f"`python benchmarks/vs_llamacpp.py --llama-python ... --prompt {a.prompt} --new "
+             f"{a.new} --repeats {a.repeats}` on {machine()}; {os.path.basename(a.gguf)}; "
+             f"medians of {a.repeats} runs alternated; read rate {rate:.1f} GB/s (numpy sum); "
+             f"{same} of {sum(len(rs) for rs in runs.values())} runs' first 16 tokens equal "
+             f"llama.cpp's first run's. Dense: llama.cpp's own cache (float16) and jaxllm's "
+             f"(float32) hold the prompt and the answer; StreamingLLM: 4 sinks + 1,020 slots.")
+    table = "\n".join(lines)
+    record("jaxllm against llama.cpp on the CPU (same GGUF, same prompt)", table, notes,
+           dry=a.dry)
+
+
+if __name__ == "__main__":
+    main()

@@ -112,6 +112,7 @@ def test_decode_uses_the_kernel_where_available():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out == ["int8 rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
+                   "4- and 8-bit rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
                    "decode attention: XLA (turned off by JAXLLM_CPU_KERNELS=0)"]
 
 

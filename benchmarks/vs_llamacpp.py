@@ -99,6 +99,7 @@ def worker_llama(a) -> dict:
 
     def run(n):
         out = []
+        llm.reset()  # else generate() reuses the cached prompt: no prefill would be timed
         for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
             out.append(tok)
             if len(out) == 1:
@@ -210,12 +211,17 @@ def main() -> None:
                      f"{'dense' if kind == 'llama' else cache} | {med('load_s', rs):.2f} | "
                      f"{pre:.0f} | {tps:.1f} | {cpu * 1e3:.0f} | {med('peak_mib', rs):.0f} | "
                      f"{tps / b_tps:.2f}x | {cpu / b_cpu:.2f}x | {pre / b_pre:.2f}x | {floor} |")
-    same = sum(r["tokens"][:16] == base[0]["tokens"][:16] for rs in runs.values() for r in rs)
+    def shared(t):  # the greedy answer's first tokens in common with llama.cpp's
+        return next((i for i, (x, y) in enumerate(zip(t, base[0]["tokens"])) if x != y),
+                    min(len(t), len(base[0]["tokens"])))
+    same = ", ".join(f"{'llama.cpp' if k == 'llama' else f} {c}: "
+                     f"{min(shared(r['tokens']) for r in rs)}" for (k, f, c), rs in runs.items())
     notes = (f"`python benchmarks/vs_llamacpp.py --llama-python ... --prompt {a.prompt} --new "
              f"{a.new} --repeats {a.repeats}` on {machine()}; {os.path.basename(a.gguf)}; "
              f"medians of {a.repeats} runs alternated; read rate {rate:.1f} GB/s (numpy sum); "
-             f"{same} of {sum(len(rs) for rs in runs.values())} runs' first 16 tokens equal "
-             f"llama.cpp's first run's. Dense: llama.cpp's own cache (float16) and jaxllm's "
+             f"greedy tokens in common with llama.cpp's first answer before they part (the "
+             f"fewest of the runs; llama.cpp rounds the activations to 8 bits for its Q4_1 "
+             f"products): {same}. Dense: llama.cpp's own cache (float16) and jaxllm's "
              f"(float32) hold the prompt and the answer; StreamingLLM: 4 sinks + 1,020 slots.")
     table = "\n".join(lines)
     record("jaxllm against llama.cpp on the CPU (same GGUF, same prompt)", table, notes,

@@ -33,9 +33,13 @@ $(TORCH_STAMP): $(DEV_STAMP) Makefile
 
 install: $(STAMP)
 
-# --durations: the 15 slowest tests are listed, so a slow suite is visible.
+# --durations: the 15 slowest tests are listed, so a slow suite is visible. The tests are mostly
+# single-threaded XLA compiles: TEST_JOBS processes (pytest-xdist) run them side by side, each
+# test module whole in one of them (its shared fixtures load once). Each process holds a few GiB
+# at its peak (SmolLM2 and its compiled programs): 2 suits a 2-core, 24 GiB machine (CI).
+TEST_JOBS ?= 2
 test: $(TORCH_STAMP)
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest --durations=15 -n $(TEST_JOBS) --dist loadfile
 
 # The main job on SmolLM2-135M: 4,096 tokens of the embedded corpus through dense / window
 # 0+256 / StreamingLLM 4+252 caches and recompute at 64 sampled positions; prints perplexity,

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -61,6 +62,28 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
+}
+
+// Calls fn(std::integral_constant<int, R>{}, m0, n0, n1) for every pass over up to 8 rows of x
+// (m0 .. m0 + R: R a compile-time count, so a row's sums stay in registers) and every piece of
+// output rows n0 .. n1, the pieces shared over the thread pool.
+template <typename Fn>
+void row_passes(ffi::ThreadPool& pool, int64_t M, int64_t N, int64_t K, const Fn& fn) {
+  const int64_t per = rows_per_block(K), work = (N + per - 1) / per;
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t R = std::min<int64_t>(8, M - m0);
+    jaxllm::for_each_block(pool, work, [&fn, m0, R, per, N](int64_t i) {
+      const int64_t n0 = i * per, n1 = std::min(N, n0 + per);
+      switch (R) {
+#define JAXLLM_ROWS(r) \
+  case r:              \
+    fn(std::integral_constant<int, r>{}, m0, n0, n1); break;
+        JAXLLM_ROWS(1) JAXLLM_ROWS(2) JAXLLM_ROWS(3) JAXLLM_ROWS(4)
+        JAXLLM_ROWS(5) JAXLLM_ROWS(6) JAXLLM_ROWS(7) JAXLLM_ROWS(8)
+#undef JAXLLM_ROWS
+      }
+    });
+  }
 }
 
 // Rows n0..n1 of y for R rows of x (R <= 8, a compile-time count so the sums stay in registers).
@@ -163,24 +186,10 @@ void product8(ffi::ThreadPool& pool, const float* x, const uint8_t* codes, const
   std::vector<float> xs(M * Gn, 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xs[m * Gn + k / G] += x[m * K + k];
-  const int64_t per = rows_per_block(K), work = (N + per - 1) / per;
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int64_t R = std::min<int64_t>(8, M - m0);
-    const float* xm = x + m0 * K;
-    const float* xsm = xs.data() + m0 * Gn;
-    float* ym = y + m0 * N;
-    jaxllm::for_each_block(pool, work, [=](int64_t i) {
-      const int64_t n0 = i * per, n1 = std::min(N, n0 + per);
-      switch (R) {
-#define JAXLLM_ROWS(r) \
-  case r:              \
-    rows8<r, S>(xm, xsm, codes, scale, offset, ym, K, Gn, G, N, n0, n1); break;
-        JAXLLM_ROWS(1) JAXLLM_ROWS(2) JAXLLM_ROWS(3) JAXLLM_ROWS(4)
-        JAXLLM_ROWS(5) JAXLLM_ROWS(6) JAXLLM_ROWS(7) JAXLLM_ROWS(8)
-#undef JAXLLM_ROWS
-      }
-    });
-  }
+  row_passes(pool, M, N, K, [&](auto r, int64_t m0, int64_t n0, int64_t n1) {
+    rows8<decltype(r)::value, S>(x + m0 * K, xs.data() + m0 * Gn, codes, scale, offset,
+                                 y + m0 * N, K, Gn, G, N, n0, n1);
+  });
 }
 
 template <typename S>
@@ -199,24 +208,10 @@ void product(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const
       xs[m * Gn + k / G] += xm[k];
     }
   }
-  const int64_t per = rows_per_block(K), work = (N + per - 1) / per;
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int64_t R = std::min<int64_t>(8, M - m0);
-    const float* xtm = xt.data() + m0 * blocks * 64;
-    const float* xsm = xs.data() + m0 * Gn;
-    float* ym = y + m0 * N;
-    jaxllm::for_each_block(pool, work, [=](int64_t i) {
-      const int64_t n0 = i * per, n1 = std::min(N, n0 + per);
-      switch (R) {
-#define JAXLLM_ROWS(r) \
-  case r:              \
-    rows<r, S>(xtm, xsm, codes, scale, offset, ym, K, W, Gn, G, N, n0, n1); break;
-        JAXLLM_ROWS(1) JAXLLM_ROWS(2) JAXLLM_ROWS(3) JAXLLM_ROWS(4)
-        JAXLLM_ROWS(5) JAXLLM_ROWS(6) JAXLLM_ROWS(7) JAXLLM_ROWS(8)
-#undef JAXLLM_ROWS
-      }
-    });
-  }
+  row_passes(pool, M, N, K, [&](auto r, int64_t m0, int64_t n0, int64_t n1) {
+    rows<decltype(r)::value, S>(xt.data() + m0 * blocks * 64, xs.data() + m0 * Gn, codes,
+                                scale, offset, y + m0 * N, K, W, Gn, G, N, n0, n1);
+  });
 }
 #endif  // JAXLLM_AVX2
 

@@ -175,9 +175,15 @@ def _locked_temp(parent: str, prefix: str, path: str, directory: bool):
 
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """The process's umask, read without changing it where Linux tells it (setting it to read
+    it would, for that instant, let another thread create files with no mask)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o077)  # elsewhere: briefly the strictest mask, never none
+        os.umask(mask)
+        return mask
 
 
 def _as_umask_allows(tmp: str) -> None:

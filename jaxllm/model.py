@@ -1,6 +1,7 @@
 """The transformer: Flax modules that take the KV cache as an argument and return the new one."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -227,10 +228,20 @@ class Transformer(nn.Module):
         # The first block's input, collected only when "block_inputs" is mutable (GPTQ's
         # block-by-block calibration, block_apply).
         self.sow("block_inputs", "x", x, reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
+        # Each block is its own jitted call when nothing is collected from inside it: traced
+        # and lowered once for all layers of one kind (JAX caches the trace by argument types),
+        # which XLA inlines again. Unrolled, a 30-layer model spent 6 s of every program's
+        # build tracing and lowering the same block 30 times (docs/CPU.md, compile once).
+        shared = not (self.is_initializing() or any(
+            self.is_mutable_collection(c) for c in ("intermediates", "attention", "inputs")))
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
                 cache.scores[layer:layer + 1]  # + the layer's evict.Scores if score-based
-            x, nc = Block(cfg, name=f"layer_{layer}")(x, layer_cache, plan)
+            if shared:
+                x, nc = _block_call(cfg, self.variables["params"][f"layer_{layer}"], x,
+                                    layer_cache, plan)
+            else:
+                x, nc = Block(cfg, name=f"layer_{layer}")(x, layer_cache, plan)
             if nc is not None:
                 new_k.append(nc[0])
                 new_v.append(nc[1])
@@ -246,6 +257,45 @@ class Transformer(nn.Module):
         else:
             logits = Linear(cfg.vocab_size, False, cfg.init_std, dt, name="lm_head")(x)
         return logits.astype(jnp.float32), (tuple(new_k), tuple(new_v), tuple(new_s))
+
+
+class _Static:
+    """A value passed to jit as a static argument, compared by identity of its parts' values
+    (the Python numbers, bools, strings and Nones of a plan's pytree)."""
+
+    def __init__(self, leaves):
+        self.leaves = leaves
+
+    def __hash__(self):
+        return hash(tuple((type(x), x) for x in self.leaves))
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and len(self.leaves) == len(other.leaves) and all(
+            type(a) is type(b) and a == b for a, b in zip(self.leaves, other.leaves))
+
+
+_ARRAY = object()  # where an array leaf was
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _block_call(cfg: ModelConfig, layer_params, x, layer_cache, plan):
+    """One block applied as a jitted function; the Python values inside the cache and the plan
+    (sink counts, flags) stay static, as they are in the unrolled form."""
+    leaves, tdef = jax.tree.flatten((layer_cache, plan), is_leaf=lambda v: v is None)
+    arrays = [v for v in leaves if _is_array(v)]
+    static = _Static([_ARRAY if _is_array(v) else v for v in leaves])
+    return _block_jit(cfg, tdef, static, layer_params, x, arrays)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _block_jit(cfg, tdef, static, layer_params, x, arrays):
+    it = iter(arrays)
+    leaves = [next(it) if v is _ARRAY else v for v in static.leaves]
+    layer_cache, plan = jax.tree.unflatten(tdef, leaves)
+    return Block(cfg).apply({"params": layer_params}, x, layer_cache, plan)
 
 
 def block_apply(layer_params, cfg: ModelConfig, x: Float[Array, "b t d"], mutable=()):

@@ -4,6 +4,7 @@ the cache-policy, KV and eviction flags, and the outputs every command writes
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Optional
@@ -138,13 +139,26 @@ def read_text(path: str, flag: str = "--text") -> str:
 def _first_non_finite(params):
     """The first float tensor (by path) holding NaN or inf, or None."""
     import jax.numpy as jnp
+    import numpy as np
 
     from .. import tree
     from ..quant import to_plain
-    for name, x in tree.flatten(to_plain(params)[0]).items():
-        if jnp.issubdtype(x.dtype, jnp.floating) and not bool(jnp.isfinite(x).all()):
-            return name
-    return None
+    floats = {name: x for name, x in tree.flatten(to_plain(params)[0]).items()
+              if jnp.issubdtype(x.dtype, jnp.floating)}
+    # One program for all tensors: op by op, each new shape compiled its own (1.1 s for SmolLM2).
+    ok = np.asarray(_all_finite(list(floats.values())))
+    return next((name for name, good in zip(floats, ok) if not good), None)
+
+
+@functools.cache
+def _all_finite_jit():
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))
+
+
+def _all_finite(xs):
+    return _all_finite_jit()(xs) if xs else []
 
 
 WEIGHTS_HELP = ("weights as stored, or kept [out, in] for decoding in float32, bfloat16 or "

@@ -73,7 +73,7 @@ def atomic_dir(path: str, overwrite: bool = False, sources=()):
 
 def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "byte",
                format: str = "safetensors", overwrite: bool = False, sources=(),
-               shard_bytes: int = 0) -> None:
+               shard_bytes: int = 0, provenance: Optional[dict] = None) -> None:
     """Write a model directory atomically: an interrupted save never leaves a half-written
     model where a good one was.
 
@@ -85,6 +85,8 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
     refused); ``sources``: paths being read, which the output must not overlap.
     ``shard_bytes`` (safetensors): split the weights into files of at most this many bytes
     (0: one file); a tensor larger than that is an error naming it (a tensor is never split).
+    ``provenance``: how the model was made (JSON-able; e.g. ``quantize`` records its scheme and
+    the text it calibrated on), kept in config.json under that name.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -103,6 +105,8 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
         meta = {"model": cfg.to_dict(), "tokenizer": tok_entry, "format": format}
         if quant:  # int8 nodes: their static fields, to rebuild them on load
             meta["quant"] = quant
+        if provenance:
+            meta["provenance"] = provenance
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
         if format == "orbax":

@@ -3,6 +3,7 @@ smoothing formula computed by hand, the float model (smoothing must not change i
 sink cache's own recompute reference for INT8 + StreamingLLM."""
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -359,8 +360,17 @@ def test_cli_quantize_then_every_command_takes_the_result(tmp_path, capsys):
     out = str(tmp_path / "q")
     assert main(["quantize", "--model", "random:pythia-tiny", "--scheme", "o3", "--n-seqs", "4",
                  "--seq-len", "64", "--out", out, "--quiet", "--json", out + ".json"]) == 0
-    assert "alpha: auto (the paper gives no value" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "alpha: auto (the paper gives no value" in err
     assert json.loads(open(out + ".json").read())["losses"]  # the search ran
+    # What it calibrated on is said, and recorded with the model.
+    import hashlib
+    from jaxllm.corpus import builtin_corpus
+    assert "calibrated on the embedded corpus" in err and "--calib-text FILE" in err
+    made = json.load(open(os.path.join(out, "config.json")))["provenance"]
+    assert made["scheme"] == "o3" and made["from"] == "random:pythia-tiny"
+    assert made["calibration"]["sha256"] == hashlib.sha256(builtin_corpus().encode()).hexdigest()
+    assert (made["calibration"]["seqs"], made["calibration"]["seq_len"]) == (4, 64)
     assert main(["ppl", "--model", out, "--max-tokens", "600", "--cache", "64", "--quiet"]) == 0
     assert main(["generate", "--model", out, "--prompt", "def", "--max-new-tokens", "8",
                  "--cache", "32"]) == 0

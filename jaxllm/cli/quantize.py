@@ -1,6 +1,7 @@
 """``jaxllm quantize``: SmoothQuant W8A8/W8, or GPTQ / RTN low-bit weights."""
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -49,7 +50,9 @@ def add_quantize(sub) -> None:
                         "default it is per-channel W8 with per-token activations)")
     p.add_argument("--fake", action="store_true",
                    help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
-    p.add_argument("--calib-text", help="UTF-8 calibration text (default: the embedded corpus)")
+    p.add_argument("--calib-text", help="UTF-8 calibration text, from the domain you will use the model on: "
+                        "quantization learns the text it calibrates on (default: the embedded "
+                        "corpus, Python's documentation; recorded in the model's config.json)")
     p.add_argument("--n-seqs", type=COUNT, default=None,
                    help="calibration sequences (default 64 for SmoothQuant, 32 for gptq: sized "
                         "for a CPU; the papers use 512 and 128)")
@@ -82,9 +85,27 @@ def _refuse_other_kind(a) -> None:
                        f"--scheme gptq (rtn reads no calibration text)")
 
 
+EMBEDDED_CALIB = "the embedded corpus (Python's documentation: English about code)"
+
+
+def calibration_text(a) -> tuple[str, dict]:
+    """The calibration text and what to record of it (name, sha256, characters)."""
+    import hashlib
+
+    from ..corpus import builtin_corpus
+    text = read_text(a.calib_text) if a.calib_text else builtin_corpus()
+    return text, {"text": os.path.abspath(a.calib_text) if a.calib_text else EMBEDDED_CALIB,
+                  "sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text)}
+
+
+def _say_calibration(a, record: dict) -> None:
+    print(f"calibrated on {record['text']}: {record['seqs']} x {record['seq_len']} tokens"
+          + ("" if a.calib_text else "; quantization learns the calibration text's domain, so "
+             "for your own use pass text like it with --calib-text FILE"), file=sys.stderr)
+
+
 def cmd_quantize_lowbit(a, cfg, params, tok) -> None:
     from .. import gptq
-    from ..corpus import builtin_corpus
     from ..io import save_model
     from ..smoothquant import CalibConfig, calibration_windows
     from ..tokenizer import ByteTokenizer
@@ -101,19 +122,23 @@ def cmd_quantize_lowbit(a, cfg, params, tok) -> None:
     if n_seqs < 1 or a.seq_len < 1:
         raise CliError(f"--n-seqs and --seq-len must be >= 1, got {n_seqs} and {a.seq_len}")
     calib = np.zeros((0, a.seq_len), np.int32)
+    provenance = {"command": "quantize", "scheme": a.scheme, "from": a.model}
     if a.scheme == "gptq":
-        ids = np.asarray(tok.encode(read_text(a.calib_text) if a.calib_text
-                                    else builtin_corpus()))
+        text, record = calibration_text(a)
+        ids = np.asarray(tok.encode(text))
         try:
             calib, _ = calibration_windows(
                 ids, CalibConfig(n_seqs=n_seqs, seq_len=a.seq_len), False)
         except ValueError as e:
             raise CliError(str(e)) from None
+        provenance["calibration"] = dict(record, seqs=len(calib), seq_len=a.seq_len)
+        _say_calibration(a, provenance["calibration"])
     try:
         q, info = gptq.quantize_model(params, cfg, calib, qcfg, progress=not a.quiet,
                                       int8_embedding=not a.float_embedding)
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok,
-                   format=a.format, overwrite=a.overwrite, sources=sources(a.model))
+                   format=a.format, overwrite=a.overwrite, sources=sources(a.model),
+                   provenance=provenance)
     except ValueError as e:
         raise CliError(str(e)) from None
     mib = lambda n: n / 2 ** 20  # noqa: E731
@@ -124,12 +149,11 @@ def cmd_quantize_lowbit(a, cfg, params, tok) -> None:
           f"{'as loaded' if a.float_embedding else 'int8 per row'}, head and norms "
           f"{mib(info['other_bytes']):.1f} MiB -> {a.out}")
     if a.json:
-        write_json(a.json, dict(info, model=a.model, calib_seqs=len(calib), seq_len=a.seq_len),
-                   a.json_sources)
+        write_json(a.json, dict(info, model=a.model, calib_seqs=len(calib), seq_len=a.seq_len,
+                                calibration=provenance.get("calibration")), a.json_sources)
 
 
 def cmd_quantize(a) -> None:
-    from ..corpus import builtin_corpus
     from ..io import save_model
     from ..smoothquant import CalibConfig, paper_alpha, quantize
     from ..tokenizer import ByteTokenizer
@@ -152,7 +176,8 @@ def cmd_quantize(a) -> None:
     n_seqs = 64 if a.n_seqs is None else a.n_seqs
     if n_seqs < 1 or a.seq_len < 1:
         raise CliError(f"--n-seqs and --seq-len must be >= 1, got {n_seqs} and {a.seq_len}")
-    ids = tok.encode(read_text(a.calib_text) if a.calib_text else builtin_corpus())
+    text, record = calibration_text(a)
+    ids = tok.encode(text)
     try:
         q, info = quantize(params, cfg, ids, a.scheme, alpha, smooth=not a.no_smooth,
                            smooth_down=a.smooth_down, real=not a.fake,
@@ -162,10 +187,14 @@ def cmd_quantize(a) -> None:
                            quantize_head=not a.float_head,
                            calib=CalibConfig(n_seqs=n_seqs, seq_len=a.seq_len),
                            progress=not a.quiet, return_info=True)
+        provenance = {"command": "quantize", "scheme": a.scheme, "from": a.model,
+                      "calibration": dict(record, seqs=n_seqs, seq_len=a.seq_len)}
         save_model(a.out, cfg, q, "byte" if isinstance(tok, ByteTokenizer) else tok,
-                   format=a.format, overwrite=a.overwrite, sources=sources(a.model))
+                   format=a.format, overwrite=a.overwrite, sources=sources(a.model),
+                   provenance=provenance)
     except ValueError as e:
         raise CliError(str(e)) from None
+    _say_calibration(a, provenance["calibration"])
     if "losses" in info:
         print("alpha search (held-out loss): " + ", ".join(
             f"{k}: {v:.4f}" for k, v in info["losses"].items()))
@@ -173,4 +202,5 @@ def cmd_quantize(a) -> None:
           + (f", alpha {info['alpha']}" if info["smooth"] else ", no smoothing")
           + f" ({'real int8' if not a.fake else 'fake-quant'}) -> {a.out}")
     if a.json:
-        write_json(a.json, dict(info, model=a.model), a.json_sources)
+        write_json(a.json, dict(info, model=a.model, calibration=provenance["calibration"]),
+                   a.json_sources)

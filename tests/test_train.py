@@ -373,9 +373,27 @@ def test_cli_run_and_plot(tmp_path, uninterrupted):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = base + ["run", "--preset", "tiny", "--out", run, "--sink", "learnable", "--steps", "3"]
     cmd += [x for o in TINY[1:] for x in ("--set", o)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    summary = str(tmp_path / "summary.json")
+    out = subprocess.run(cmd + ["--json", summary], cwd=ROOT, capture_output=True, text=True,
+                         env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout)["finished"]
+    s = json.load(open(summary))
+    assert s["finished"] and os.path.getsize(s["loss_png"]) > 1000
+    # The held-out loss, against one computed here from the saved held-out tokens and model.
+    import numpy as np
+    from jaxllm import load_model
+    from jaxllm.model import forward
+    cfg, params, _ = load_model(os.path.join(run, "model"))
+    L = json.load(open(os.path.join(run, "train_config.json")))["seq_len"]
+    held = np.load(os.path.join(run, "heldout.npy"))[:s["heldout_tokens"] // L * (L + 1)]
+    x = held.reshape(-1, L + 1).astype(np.int32)
+    logits = np.asarray(forward(params, cfg, jnp.asarray(x[:, :-1]))[0], np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                           keepdims=True)) - logits.max(-1, keepdims=True)
+    want = -np.take_along_axis(logp, x[:, 1:, None], -1).mean()
+    assert abs(s["heldout_loss"] - want) < 1e-4
+    assert f"held-out loss {s['heldout_loss']:.4f}" in out.stdout
+    assert f"jaxllm generate --model {os.path.join(run, 'model')}" in out.stdout
     saved = json.load(open(os.path.join(run, "model", "config.json")))
     assert saved["model"]["sink"] == "learnable"
     png = str(tmp_path / "loss.png")

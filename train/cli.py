@@ -23,9 +23,55 @@ def cmd_run(a) -> None:
     if a.print_config:
         print(json.dumps(cfg.to_dict(), indent=1))
         return
+    from jaxllm.cli.common import check_files
+    check_files({"--json": a.json}, [a.out])  # refused now, not after the training
     summary = train(cfg, a.out, resume=not a.no_resume, distributed=a.distributed,
                     stop_after=a.stop_after, restart=a.restart)
-    print(json.dumps(summary, indent=1))
+    if summary.get("model"):
+        summary.update(_finish(a.out, cfg))
+    if a.json:
+        from jaxllm.outputs import write_json
+        write_json(a.json, summary, [a.out])
+    print(_report(a.out, summary))
+
+
+def _finish(out: str, cfg) -> dict:
+    """What a finished run adds to its summary: the held-out loss of the exported model and
+    the loss curve's plot."""
+    import os
+
+    from .loop import heldout_loss
+    from .plot import plot_loss_curves
+    got = {"loss_png": os.path.join(out, "loss.png")}
+    plot_loss_curves({os.path.basename(os.path.normpath(out)): out}, got["loss_png"],
+                     f"{cfg.model.sink}-sink training loss")
+    held = heldout_loss(out, cfg.seq_len)
+    if held is not None:
+        got["heldout_loss"], got["heldout_tokens"] = held
+    return got
+
+
+def _report(out: str, s: dict) -> str:
+    """The run's summary in a few lines, ending with what to run next."""
+    import math
+    import shlex
+    done = (f"finished {s['steps']} steps" if s["finished"] else
+            f"stopped after step {s['steps']} (checkpointed: run the same command to resume)")
+    lines = [f"{out}: {done}"]
+    if "loss" in s:
+        lines.append(f"  last logged training loss {s['loss']:.4f}, "
+                     f"{s['tokens_per_s']:,.0f} tokens/s")
+    if "heldout_loss" in s:
+        lines.append(f"  held-out loss {s['heldout_loss']:.4f} (perplexity "
+                     f"{math.exp(s['heldout_loss']):.2f}) on {s['heldout_tokens']:,} tokens")
+    if "loss_png" in s:
+        lines.append(f"  loss curve: {s['loss_png']}")
+    if s.get("model"):
+        m = shlex.quote(s["model"])
+        lines += [f"  model: {s['model']}", "next:",
+                  f"  jaxllm generate --model {m} --prompt 'The'",
+                  f"  jaxllm ppl --model {m}   # perplexity on the embedded corpus"]
+    return "\n".join(lines)
 
 
 def cmd_plot(a) -> None:
@@ -78,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a run whose checkpoints are gone: train it again from step 0 over its "
                         "metrics and model (refused without this flag)")
     r.add_argument("--print-config", action="store_true", help="print the recipe and exit")
+    r.add_argument("--json", help="write the run's summary here (steps, losses, tokens/s, model)")
     r.set_defaults(fn=cmd_run)
     p = sub.add_parser("plot", help="loss curves of runs on one plot (Fig. 6)")
     p.add_argument("runs", nargs="+", help="run directories, optionally LABEL=DIR")

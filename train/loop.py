@@ -86,6 +86,7 @@ class RunLock:
 
 
 RUN_ENTRIES = {CONFIG_FILE, METRICS_FILE, "checkpoints", "model", ".lock", "heldout.npy",
+               "loss.png",  # (the CLI's plot of a finished run)
                "data_manifest.json", outputs.RUN_MANIFEST,  # (heldout, manifest: _record_data)
                "train.log"}  # (train.experiments.sink_token's log of a variant's run)
 
@@ -161,6 +162,27 @@ def heldout_text(run: str, n_tokens: int) -> np.ndarray:
         raise ValueError(f"{run} saved {len(held)} held-out tokens, fewer than the {n_tokens} "
                          f"asked for; ask for fewer")
     return np.asarray(held[:n_tokens], np.int32)
+
+
+def heldout_loss(run: str, seq_len: int, windows: int = 8) -> Optional[tuple[float, int]]:
+    """The exported model's mean next-token loss (nats) on up to ``windows`` held-out windows
+    of ``seq_len`` tokens (each scored from its start, as in training), and the tokens scored;
+    None when the run keeps no held-out text."""
+    import jax.numpy as jnp
+    from jaxllm.model import forward
+    path = os.path.join(run, HELDOUT_FILE)
+    if not os.path.exists(path):
+        return None
+    held = np.load(path)
+    n = min(windows, len(held) // (seq_len + 1))
+    if n == 0:
+        return None
+    x = np.asarray(held[:n * (seq_len + 1)], np.int32).reshape(n, seq_len + 1)
+    cfg, params, _ = load_model(os.path.join(run, "model"))
+    logits = forward(params, cfg, jnp.asarray(x[:, :-1]))[0]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.asarray(x[:, 1:, None]), axis=-1)
+    return float(nll.mean()), n * seq_len
 
 
 def sink_probe(params, cfg: TrainConfig, text: np.ndarray) -> dict:

@@ -102,10 +102,30 @@ def hf_config(meta: dict, tensor_shapes: dict, where: str) -> dict:
         raise ValueError(f"{where}: tensor rope_freqs.weight (per-dimension RoPE frequencies, "
                          f"Llama 3.1's scaling) is not read; convert the Hugging Face model "
                          f"instead")
-    heads = int(g("attention.head_count"))
-    hidden = int(g("embedding_length"))
-    head_dim = int(g("attention.key_length") or hidden // heads)
-    rot = int(g("rope.dimension_count") or head_dim)
+    def count(key, default=None):
+        """A positive whole number of the metadata (one for all layers), or ``default``."""
+        v = g(key, default)
+        if v is None:
+            raise ValueError(f"{where}: GGUF metadata {arch}.{key} is missing: not a complete "
+                             f"model file")
+        if isinstance(v, (list, tuple)):  # per-layer values (e.g. OpenELM's head counts)
+            raise ValueError(f"{where}: GGUF metadata {arch}.{key} differs per layer "
+                             f"({len(v)} values): jaxllm reads models whose layers are alike")
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{where}: GGUF metadata {arch}.{key} = {v!r} is not a positive "
+                             f"whole number: the file is damaged")
+        return int(v)
+
+    heads, hidden = count("attention.head_count"), count("embedding_length")
+    kv_heads = count("attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise ValueError(f"{where}: {heads} attention heads cannot share {kv_heads} KV heads "
+                         f"evenly: the file's head counts are damaged")
+    if g("attention.key_length") is None and hidden % heads:
+        raise ValueError(f"{where}: the hidden size {hidden} is not a multiple of the {heads} "
+                         f"heads, and {arch}.attention.key_length is missing: damaged metadata")
+    head_dim = count("attention.key_length", hidden // heads)
+    rot = count("rope.dimension_count", head_dim)
     if rot != head_dim:
         raise ValueError(f"{where}: GGUF rope.dimension_count {rot} differs from the head dim "
                          f"{head_dim} (partial rotary): not read for {arch}")
@@ -113,10 +133,9 @@ def hf_config(meta: dict, tensor_shapes: dict, where: str) -> dict:
         raise ValueError(f"{where}: no token_embd.weight tensor: not a complete model")
     vocab = g("vocab_size") or tensor_shapes["token_embd.weight"][0]
     return {"model_type": "llama", "vocab_size": int(vocab),
-            "hidden_size": hidden, "num_hidden_layers": int(g("block_count")),
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(g("attention.head_count_kv") or heads),
-            "intermediate_size": int(g("feed_forward_length")), "head_dim": head_dim,
+            "hidden_size": hidden, "num_hidden_layers": count("block_count"),
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "intermediate_size": count("feed_forward_length"), "head_dim": head_dim,
             "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": float(g("rope.freq_base", 10000.0)), "hidden_act": "silu",
             "max_position_embeddings": int(g("context_length", 2048)),
@@ -277,9 +296,14 @@ def _tokenizer_parts(path: str, reader):
                          f"{', '.join(sorted(PRE_SPLITS))})")
     tokens = _strings(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _strings(reader, "tokenizer.ggml.merges")]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    for i, m in enumerate(merges):  # tokenizers would raise without saying which entry
+        if len(m) != 2 or m[0] not in vocab or m[1] not in vocab or m[0] + m[1] not in vocab:
+            raise ValueError(f"{path}: tokenizer.ggml.merges entry {i} {' '.join(m)!r} is not "
+                             f"two of the file's tokens, separated by a space, whose join is one "
+                             f"too: the tokenizer is damaged")
     types = reader.fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    core = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                fuse_unk=False, byte_fallback=False))
+    core = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     splits, gpt2_words = PRE_SPLITS[pre]
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]

@@ -62,6 +62,11 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
 class HFTokenizer:
     """``transformers.AutoTokenizer`` from a local directory (never remote code); or, built in
     memory (a GGUF file's), a ``tokenizers.Tokenizer`` used directly, with transformers' object
@@ -71,8 +76,21 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
         _confined_files(path)
-        self._set(AutoTokenizer.from_pretrained(path, local_files_only=True,
-                                                trust_remote_code=False), os.path.abspath(path))
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                trust_remote_code=False)
+        except ValueError as e:
+            if "trust_remote_code" in str(e):  # transformers' advice; jaxllm runs no remote code
+                raise ValueError(f"{path}: the tokenizer needs code from the model's repository "
+                                 f"(trust_remote_code), which jaxllm never runs: use a tokenizer "
+                                 f"with a tokenizer.json") from None
+            raise ValueError(f"{path}: the tokenizer cannot be read: {_first_line(e)}") from None
+        except Exception as e:
+            # tokenizers' own errors (a malformed tokenizer.json, merges naming unknown tokens)
+            # are plain Exceptions: one line that names the directory.
+            raise ValueError(f"{path}: the tokenizer files cannot be read "
+                             f"({type(e).__name__}: {_first_line(e)})") from None
+        self._set(tok, os.path.abspath(path))
 
     @classmethod
     def of(cls, tok, name: str) -> "HFTokenizer":

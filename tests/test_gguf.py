@@ -94,7 +94,7 @@ def _raw_blocks(rows, cols, qtype, rng):
     return raw.reshape(rows, -1)
 
 
-def _write(path, model, qtype, rng, extra=None, layers=None):
+def _write(path, model, qtype, rng, extra=None, layers=None, merges=("a b",)):
     """``model`` (a transformers Llama) as a GGUF file, every 2-D weight in ``qtype``;
     ``extra(writer)`` adds metadata, ``layers`` overrides the block count."""
     c = model.config
@@ -114,7 +114,7 @@ def _write(path, model, qtype, rng, extra=None, layers=None):
     w.add_tokenizer_pre("default")
     w.add_token_list(TINY_TOKENS)
     w.add_token_types([3, 3] + [1] * (V - 2))
-    w.add_token_merges(["a b"])
+    w.add_token_merges(list(merges))
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     w.add_chat_template(TINY_TEMPLATE)
@@ -221,6 +221,61 @@ def test_what_is_not_read_is_named_in_one_line(tmp_path):
     cut.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 5)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         jg.from_gguf(str(cut))
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"llama.attention.head_count": None}, "llama.attention.head_count is missing"),
+    ({"llama.attention.head_count": 0}, "head_count = 0 is not a positive whole number"),
+    ({"llama.attention.head_count": [4, 4, 8]}, "head_count differs per layer (3 values)"),
+    ({"llama.attention.head_count": "4"}, "head_count = '4' is not a positive whole number"),
+    ({"llama.attention.head_count_kv": 3}, "4 attention heads cannot share 3 KV heads"),
+    ({"llama.attention.head_count": 3}, "hidden size 256 is not a multiple of the 3 heads"),
+    ({"llama.block_count": -1}, "block_count = -1 is not a positive whole number"),
+    ({"llama.feed_forward_length": True}, "feed_forward_length = True is not a positive"),
+])
+def test_damaged_head_and_size_counts_are_one_line(change, msg):
+    """Head counts missing, zero, per layer or not numbers: one line naming the key (they were
+    a TypeError or a ZeroDivisionError)."""
+    meta = {"general.architecture": "llama", "llama.attention.head_count": 4,
+            "llama.embedding_length": 256, "llama.block_count": 2,
+            "llama.feed_forward_length": 512}
+    meta = {k: v for k, v in {**meta, **change}.items() if v is not None}
+    with pytest.raises(ValueError) as e:
+        jg.hf_config(meta, {"token_embd.weight": (64, 256)}, "f.gguf")
+    assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("merge", ["ab", "a Z9", "b a"])
+def test_damaged_merges_are_one_line(tmp_path, merge):
+    """A merge that is not two tokens ("ab"), names a token the file lacks, or joins to one it
+    lacks ("b a": "ba"): one line naming the entry (a tokenizers traceback before)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4))
+    path = tmp_path / "m.gguf"
+    _write(path, model, QT.F32, np.random.default_rng(0), merges=["a b", merge])
+    with pytest.raises(ValueError) as e:
+        jaxllm.load_model(str(path))
+    assert f"tokenizer.ggml.merges entry 1 {merge!r}" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_damaged_hf_tokenizer_is_one_line(tmp_path):
+    from jaxllm.tokenizer import load_tokenizer
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", '
+                                             '"vocab": {"a": 0}, "merges": ["a q"]}}')
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(str(tmp_path))
+    assert str(e.value).startswith(f"{tmp_path}: the tokenizer") and "\n" not in str(e.value)
+    # A tokenizer that is code from the model's repository: refused, without transformers'
+    # advice to pass trust_remote_code=True (no jaxllm command has such a flag).
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", null]}}')
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(str(tmp_path))
+    assert "which jaxllm never runs" in str(e.value) and "=True" not in str(e.value)
 
 
 def test_packaged_model_names_its_install_line(monkeypatch):

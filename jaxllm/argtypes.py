@@ -93,6 +93,31 @@ class budget:
         return "budget"
 
 
+class listof:
+    """Comma-separated values of one kind (``integer``, ``real`` ...), at most ``most`` of them,
+    each checked as that kind is."""
+
+    def __init__(self, kind, most: int = 64):
+        self.kind, self.most = kind, most
+        self.__name__ = f"list of {getattr(kind, '__name__', 'value')}s"
+
+    def __call__(self, text: str) -> tuple:
+        parts = [t for t in text.split(",")]
+        if len(parts) > self.most:
+            raise argparse.ArgumentTypeError(f"at most {self.most} comma-separated values, got "
+                                             f"{len(parts)}")
+        out = []
+        for t in parts:
+            try:
+                out.append(self.kind(t))
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"in {text[:40]!r}: {e}") from None
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        return f"listof({self.kind!r})"
+
+
 COUNT = integer(1)  # how many of something: at least one
 SIZE = integer(0)  # a size or budget where 0 means none (or all, as the flag says)
 FRACTION = real(0.0, 1.0)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from .kv.cache import KVCache, check_room
+from .kv.cache import KVCache, available_bytes, check_room
 from .config import INT32_MAX, ModelConfig
 from .model import apply, check_chunk, forward
 from .positions import with_sink
@@ -107,7 +107,21 @@ def _prepare(cfg: ModelConfig, prompt, cache: KVCache, prompt_lengths, sc: Sampl
         prompt, lens = _sink_first(cfg, prompt, cache, lens)
         lens = check_chunk(cfg, prompt, cache, lens)
     check_room(cache, np.asarray(jax.device_get(cache.length + lens)) + sc.max_new_tokens)
+    _check_output_fits(prompt.shape[0], sc.max_new_tokens)
     return prompt, lens
+
+
+def _check_output_fits(batch: int, max_new_tokens: int) -> None:
+    """The tokens come back in one [B, N] int32 array (N padded to a power of two; the loop
+    carries it and a copy is returned): refused in one line when that cannot fit, instead of
+    an out-of-memory error after the prompt is encoded."""
+    need = 2 * 4 * batch * _width(max_new_tokens)
+    free = available_bytes()
+    if free is not None and need > free // 2:
+        raise ValueError(f"max_new_tokens={max_new_tokens} needs {need / 2**30:.1f} GiB for the "
+                         f"generated tokens of {batch} row(s), more than half the "
+                         f"{free / 2**30:.1f} GiB free: generate in rounds of fewer tokens, "
+                         f"carrying the cache from one to the next (the result's .cache)")
 
 
 class DecodeState(NamedTuple):

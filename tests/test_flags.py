@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxllm import cli
-from jaxllm.argtypes import integer, real
+from jaxllm.argtypes import integer, listof, real
 from train import cli as train_cli
 from train.experiments import sink_token
 
@@ -26,7 +26,7 @@ def numeric_flags(parser, prefix=()):
                             for p, rest, f, t, d in numeric_flags(sub, ()))
         elif a.option_strings:
             assert a.type not in (int, float), (prefix, a.option_strings, "a plain number type")
-            if isinstance(a.type, (integer, real)):
+            if isinstance(a.type, (integer, real, listof)):
                 yield parser, list(prefix) + required, a.option_strings[-1], a.type, a.dest
 
 
@@ -67,6 +67,8 @@ def test_any_value_is_a_valid_setting_or_one_line(case, value):
         assert "\n" not in msg and flag in msg, (argv, msg)
         return
     v = getattr(ns, dest)
+    if isinstance(kind, listof):  # a list flag: each value checked as its kind
+        (v,), kind = v, kind.kind
     if isinstance(kind, integer):
         assert type(v) is int and kind.lo <= v <= kind.hi, (argv, v)
     else:
@@ -93,3 +95,23 @@ def test_library_errors_name_their_settings_and_the_cli_its_flags(capsys):
     assert cli.main(["ppl", "--model", "embedded", "--kv-quant", "kivi", "--kv-group", "32",
                      "--kv-residual", "48"]) == 2
     assert "--kv-group 32 must divide the --kv-residual 48" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["eval", "passkey", "--lengths", "500,2000000000"], "--lengths: in '500,2000000000': "
+                                                         "2000000000 is out of range"),
+    (["eval", "passkey", "--depths", "0,1.5"], "--depths: in '0,1.5': 1.5 is out of range"),
+    (["eval", "passkey", "--lengths", ",".join(["9"] * 65)], "at most 64 comma-separated"),
+    (["eval", "kv-shift", "--bits", "abc"], "--bits: in 'abc': expected an integer"),
+    (["eval", "kv-shift", "--bits", "8,5"], "--bits 5: the token format packs 2, 3, 4 or 8"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "2147483647"],
+     "max_new_tokens=2147483647 needs 16.0 GiB for the generated tokens"),
+])
+def test_list_flags_and_huge_budgets_are_refused_in_one_line(argv, msg, capsys, monkeypatch):
+    import sys
+    import jaxllm.generate  # noqa: F401  (the module; the package's name is the function)
+    # As on any machine with 8 GiB free.
+    monkeypatch.setattr(sys.modules["jaxllm.generate"], "available_bytes", lambda: 8 << 30)
+    assert cli.main(argv + ["--model", "embedded"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and "\n" not in err, err

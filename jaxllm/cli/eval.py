@@ -1,7 +1,7 @@
 """``jaxllm eval TASK``: StreamEval, passkey, QA, outliers, attention sinks, KV shift."""
 from __future__ import annotations
 
-from ..argtypes import COUNT, FRACTION, real
+from ..argtypes import COUNT, FRACTION, integer, listof, real
 from .common import (CliError, DEFAULT_MODEL, MODEL_HELP, add_keep_quantized_arg, add_policy_args,
                      alpha_value, check_files, check_streamable, flag_names, load, policy,
                      seed_int, sources, write_json)
@@ -35,10 +35,17 @@ def _qa_args(p) -> None:
                    help="with the sample: how many times to repeat it")
 
 
+# A passkey stream is built as text in host memory (about 4 bytes a token, then its ids):
+# 16.8M tokens is far past any cache, and bounded.
+PASSKEY_MOST = 1 << 24
+
+
 def _passkey_args(p) -> None:
     add_policy_args(p)
-    p.add_argument("--lengths", default="500,1000,2000", help="stream lengths (tokens)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="key depths in [0, 1]")
+    p.add_argument("--lengths", type=listof(integer(1, PASSKEY_MOST)), default=(500, 1000, 2000),
+                   help=f"stream lengths (tokens, comma-separated, each at most {PASSKEY_MOST:,})")
+    p.add_argument("--depths", type=listof(real(0.0, 1.0)), default=(0, 0.25, 0.5, 0.75, 1),
+                   help="key depths in [0, 1], comma-separated")
     p.add_argument("--trials", type=COUNT, default=5, help="keys per length and depth")
 
 
@@ -47,7 +54,8 @@ def _kv_shift_args(t) -> None:
                    help="tokens whose heavy hitters are compared")
     t.add_argument("--stream-tokens", type=COUNT, default=2048,
                    help="tokens streamed through H2O for the perplexity of each set")
-    t.add_argument("--bits", default="8,4,3,2", help="KV bit widths, comma-separated")
+    t.add_argument("--bits", type=listof(integer(2, 8)), default=(8, 4, 3, 2),
+                   help="KV bit widths, comma-separated: 2, 3, 4 or 8")
     t.add_argument("--heavy", type=FRACTION, default=0.1, help="heavy share of the text (0.1)")
     t.add_argument("--recent", type=FRACTION, default=0.1, help="recent share of the text (0.1)")
 
@@ -55,8 +63,7 @@ def _kv_shift_args(t) -> None:
 def _eval_kv_shift(a, cfg, params, tok):
     from ..corpus import builtin_corpus
     from ..evals.kv_shift import report
-    bits = tuple(int(b) for b in a.bits.split(","))
-    return report(params, cfg, tok.encode(builtin_corpus()), a.out + ".png", a.model, bits,
+    return report(params, cfg, tok.encode(builtin_corpus()), a.out + ".png", a.model, a.bits,
                   a.prompt_tokens, a.heavy, a.recent, a.stream_tokens)
 
 
@@ -103,17 +110,10 @@ def _check_eval_args(a) -> None:
         need(0 < a.eps < 1, f"--eps must lie in (0, 1), got {a.eps}")
     if a.task == "outliers" and a.alpha is not None:
         need(0 <= alpha_value(a.alpha, "--alpha") <= 1, f"--alpha must lie in [0, 1], got {a.alpha}")
-    if a.task == "passkey":
-        try:
-            a.lengths_list = [int(x) for x in a.lengths.split(",")]
-            a.depths_list = [float(x) for x in a.depths.split(",")]
-        except ValueError:
-            raise CliError(f"--lengths takes integers and --depths numbers, comma-separated "
-                           f"(e.g. 500,1000 and 0,0.5,1); got {a.lengths!r} and {a.depths!r}"
-                           ) from None
-        need(all(n >= 1 for n in a.lengths_list), f"--lengths must be positive, got {a.lengths}")
-        need(all(0 <= d <= 1 for d in a.depths_list), f"--depths must lie in [0, 1], got "
-                                                      f"{a.depths}")
+    if a.task == "kv-shift":
+        bad = [b for b in a.bits if b not in (2, 3, 4, 8)]
+        need(not bad, f"--bits {bad[0] if bad else ''}: the token format packs 2, 3, 4 or 8 "
+                      f"bits, comma-separated (e.g. 8,4,3,2)")
 
 
 def _eval_outliers(a, cfg, params, tok):
@@ -152,8 +152,8 @@ def _eval_passkey(a, cfg, params, tok, pc):
     from ..evals.passkey import report
     on_cell = None if a.quiet else (
         lambda n, d, acc: print(f"  {n} tokens, depth {d:.2f}: {acc:.2f}", flush=True))
-    return report(params, cfg, tok.encode, pc, a.out + ".png", a.model, a.lengths_list,
-                  a.depths_list, a.trials, a.seed, on_cell, a.chunk)
+    return report(params, cfg, tok.encode, pc, a.out + ".png", a.model, list(a.lengths),
+                  list(a.depths), a.trials, a.seed, on_cell, a.chunk)
 
 
 STREAMED = {"streameval": _eval_streameval, "qa": _eval_qa, "passkey": _eval_passkey}

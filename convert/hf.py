@@ -215,8 +215,7 @@ def from_tensors(hf_cfg: dict, get: Callable[[str], np.ndarray], names, where: s
 def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None = None,
           progress: bool = False, overwrite: bool = False, sources=()) -> None:
     """Write an HF directory (config.json + model.safetensors [+ tokenizer files]) atomically."""
-    from safetensors.numpy import save_file
-
+    from jaxllm.io import save_file
     from jaxllm.smoothquant import is_quantized
     hf_cfg = config_to_hf(cfg)
     if is_quantized(params):

@@ -118,10 +118,25 @@ def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "
             _save_safetensors(tmp, flat, shard_bytes)
 
 
+def save_file(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
+    """safetensors' save_file, its I/O failures (a full disk) raised as the OSError they are
+    (safetensors reports them as its own error type, with the OS error code in the text)."""
+    import errno
+    import re
+
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file as save
+    try:
+        save(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"code: (\d+)", str(e))
+        code = int(code[1]) if code else errno.EIO
+        raise OSError(code, os.strerror(code), path) from None
+
+
 def _save_safetensors(path: str, flat: dict, shard_bytes: int) -> None:
     """``flat`` as model.safetensors, or as shards of at most ``shard_bytes`` (tensors in name
     order, a new file when the next would overflow) with their index."""
-    from safetensors.numpy import save_file
     if not shard_bytes:
         save_file(flat, os.path.join(path, WEIGHTS))
         return
@@ -474,7 +489,12 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
         flat, w_path = _load_safetensors(spec)
         check_params(cfg, flat, w_path, quant)
         params = _place(tree.unflatten(flat), sharding)
-    params = from_plain(params, quant)
+    try:
+        params = from_plain(params, quant)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a hand-edited entry
+        raise ValueError(f"{cfg_path}: field 'quant' does not match the weights "
+                         f"({type(e).__name__}: {str(e)[:200]}); rewrite the model with "
+                         f"jaxllm.save_model") from None
     tok_spec = meta.get("tokenizer", "byte")
     if tok_spec is None:  # none shipped; one may have been copied in since
         tok_dir = os.path.join(spec, TOKENIZER_DIR)

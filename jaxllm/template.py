@@ -192,7 +192,12 @@ def render(source: str, messages: list[dict], add_generation_prompt: bool = True
             ZeroDivisionError, OverflowError, RecursionError, MemoryError) as e:
         raise TemplateError(f"the chat template of {name} failed: "
                             f"{type(e).__name__}: {_one_line(e)}") from None
-    return "".join(out)
+    text = "".join(out)
+    if messages and not text.strip():  # later, "the chunk is empty" would not say why
+        raise TemplateError(f"the chat template of {name} renders nothing for a conversation "
+                            f"of {len(messages)} message(s): the template is broken; use a model "
+                            f"with a sound template")
+    return text
 
 
 def _one_line(e: Exception) -> str:

@@ -344,3 +344,22 @@ def test_outputs_get_the_umasks_permissions(tmp_path, capsys):
     assert mode(tmp_path / "m") == 0o755 and mode(tmp_path / "r.json") == 0o644
     assert all(mode(tmp_path / "m" / f) & 0o044 == 0o044 for f in os.listdir(tmp_path / "m")
                if os.path.isfile(tmp_path / "m" / f))
+
+
+def test_a_full_disk_under_safetensors_is_one_line(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error type (a traceback from quantize and
+    convert before): now the OSError it is, one line naming the output, nothing left behind."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError('Error while serializing: I/O error: No space left on device '
+                              '(os error 28): IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    cfg, params, _ = jaxllm.load_model("embedded")
+    out = tmp_path / "m"
+    with pytest.raises(ValueError) as e:
+        jaxllm.save_model(str(out), cfg, params)
+    assert str(e.value) == f"cannot write {out}: No space left on device"
+    assert os.listdir(tmp_path) == []

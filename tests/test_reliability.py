@@ -221,3 +221,35 @@ def test_latin1_qa_file_is_named(tmp_path, capsys):
     assert main(["eval", "qa", "--data", str(f), "--model", "random:pythia-tiny", "--out",
                  str(tmp_path / "o"), "--quiet"]) == 2
     assert f"{f} is not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit", [lambda e: e.pop("act"), lambda e: e.update(kind="lowbit"),
+                                  lambda e: e.clear() or e.update(real=[])])
+def test_a_hand_edited_quant_entry_is_one_line(tmp_path, edit):
+    """config.json's "quant" entries rebuild the int8 nodes; a damaged one was a KeyError."""
+    from jaxllm.quant import decode_weights
+    cfg, params, _ = jaxllm.load_model("embedded")
+    d = str(tmp_path / "m")
+    jaxllm.save_model(d, cfg, decode_weights(params, "float32"))
+    meta = json.load(open(os.path.join(d, "config.json")))
+    edit(next(iter(meta["quant"].values())))
+    json.dump(meta, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ValueError) as e:
+        jaxllm.load_model(d)
+    msg = str(e.value)  # the entry named, or the tensors it would need
+    assert ("field 'quant'" in msg or "does not match its config" in msg) and "\n" not in msg
+
+
+def test_a_tokenizer_smaller_than_the_vocabulary_is_warned_of(tmp_path, capsys):
+    """A tokenizer of another model (256 + 8 byte ids for a 1,024-row model): ids past it print
+    as nothing, so loading says so in one line; a padded vocabulary (embedded: 264 = 264) not."""
+    from jaxllm.cli.common import load
+    cfg, params, _ = jaxllm.load_model("embedded")
+    d = str(tmp_path / "m")
+    big = dataclasses.replace(cfg, vocab_size=1024)
+    jaxllm.save_model(d, big, jaxllm.init_params(big, jax.random.key(0)))
+    load(d)
+    err = capsys.readouterr().err
+    assert "its tokenizer has 264 tokens but the model 1,024" in err and err.count("\n") == 1
+    load("embedded")
+    assert "tokenizer" not in capsys.readouterr().err

@@ -53,6 +53,7 @@ HOSTILE = {
     "error": "{{ raise_exception('no chats here') }}",
     "syntax": "{% for m in messages %}",
     "undefined call": "{{ messages.nope() }}",
+    "renders nothing": "{% for m in messages %}{% endfor %}  ",
 }
 
 

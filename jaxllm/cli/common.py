@@ -214,6 +214,12 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
     if bad:
         print(f"warning: {model}: tensor {bad} holds NaN or inf values, so every result will "
               f"be NaN", file=sys.stderr)
+    # Vocabularies padded for speed (Pythia's 50,304 rows for 50,277 tokens) differ by less
+    # than a multiple of 128; a larger gap is a tokenizer of another model.
+    if tok is not None and cfg.vocab_size - tok.vocab_size >= 128:
+        print(f"warning: {model}: its tokenizer has {tok.vocab_size:,} tokens but the model "
+              f"{cfg.vocab_size:,}: ids from {tok.vocab_size:,} on have no text and print as "
+              f"nothing (is the tokenizer the model's own?)", file=sys.stderr)
     if tok is None and need_tokenizer:
         where = model if reader_for(model) else os.path.join(model, TOKENIZER_DIR)
         raise CliError(f"{model} has no tokenizer: copy the Hugging Face tokenizer files "

@@ -131,6 +131,13 @@ def test_an_edited_corpus_is_tokenized_again(tmp_path, capsys):
         b"the second, longer text"
     assert "changed since it was tokenized" in capsys.readouterr().err
     assert len(os.listdir(cache)) == 1
+    # A cache place that cannot be written (a file where its folder would be): tokenized all
+    # the same, said in one line (a traceback before).
+    (tmp_path / "blocked").write_text("")
+    assert bytes(tokenize(str(corpus), tok, str(tmp_path / "blocked" / "cache"))[:-1]
+                 .astype(np.uint8)) == b"the second, longer text"
+    err = capsys.readouterr().err
+    assert "are not cached" in err and err.count("\n") == 1
 
 
 def test_pythia_recipe_schedule_and_weight_decay_mask():
@@ -636,3 +643,28 @@ def test_unreadable_and_read_only_runs_refuse_and_touch_nothing(tmp_path):
         (p.stdout, p.stderr[-2000:])
     assert len(p.stdout.strip().splitlines()) == 1
     assert _tree_digests(run) == digests_before
+
+
+def test_torn_metrics_and_damaged_run_files_are_one_line_or_skipped(uninterrupted, tmp_path,
+                                                                     capsys):
+    """A metrics line cut by a kill, a line without "step", a digests file that is `[]`: the run
+    resumes (the lines dropped, said; the step quarantined) with the uninterrupted losses. A
+    train_config.json that is `[]`: one line. (Each was a traceback or blocked resuming.)"""
+    run = str(tmp_path / "run")
+    cfg = recipe("tiny", TINY)
+    train(cfg, run, progress=False, stop_after=8)
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write('{"loss": 1.0}\n{"step": 9, "lo')
+    with open(os.path.join(run, "checkpoints", "digests", "8.json"), "w") as f:
+        f.write("[]")
+    from train.plot import read_metrics
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))
+    train(cfg, run, progress=False)
+    err = capsys.readouterr().err
+    assert "dropped 2 line(s) that were not metrics records" in err
+    assert "is not a JSON object of file digests" in err
+    assert _losses(run) == uninterrupted
+    with open(os.path.join(run, "train_config.json"), "w") as f:
+        f.write("[]")
+    with pytest.raises(ValueError, match=r"train_config.json is not a JSON object"):
+        train(cfg, run, progress=False)

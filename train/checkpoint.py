@@ -115,6 +115,8 @@ class Checkpoints:
                 want = json.load(f)
         except ValueError:
             return f"its digest file {path} is not valid JSON"
+        if not isinstance(want, dict):
+            return f"its digest file {path} is not a JSON object of file digests"
         got = _digests(os.path.join(self.dir, str(step)))
         for name in sorted(set(want) | set(got)):
             if want.get(name) != got.get(name):

@@ -228,13 +228,19 @@ def tokenize(source: str, tok: Tokenizer, cache_dir: Optional[str] = None,
         raise ValueError(f"data source {source!r} holds no text")
     tokens = np.concatenate(parts)
     if path:
-        os.makedirs(cache_dir, exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}.npy"
-        np.save(tmp, tokens)
-        if manifest:
-            with open(manifest_path(path), "w") as f:
-                json.dump(manifest, f, indent=1)
-        os.replace(tmp, path)  # a reader never sees half an array
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            np.save(tmp, tokens)
+            if manifest:
+                with open(manifest_path(path), "w") as f:
+                    json.dump(manifest, f, indent=1)
+            os.replace(tmp, path)  # a reader never sees half an array
+        except OSError as e:  # a read-only or full place: the run goes on from memory
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            print(f"note: the tokens of {source} are not cached ({cache_dir}: "
+                  f"{e.strerror or e}); they will be tokenized again next time", file=sys.stderr)
     return tokens
 
 

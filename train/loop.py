@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from typing import Optional
 
@@ -30,8 +31,14 @@ def _check_run_dir(out: str, cfg: TrainConfig) -> None:
     """A run directory belongs to one config: resuming with another would mix two runs."""
     path = os.path.join(out, CONFIG_FILE)
     if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except ValueError:
+            old = None
+        if not isinstance(old, dict):
+            raise ValueError(f"{path} is not a JSON object (damaged or edited): restore it from "
+                             f"a copy, or train into a new --out")
         new = cfg.to_dict()
         keep = ("steps", "log_every", "ckpt_every", "keep", "sink_eval_every", "peak_tflops",
                 "export_dtype", "export_shard_mib")  # may change on resume: not the numbers
@@ -105,12 +112,7 @@ def _finished_products(out: str, cfg: TrainConfig) -> list:
     metrics = os.path.join(out, METRICS_FILE)
     last = 0
     if os.path.exists(metrics):
-        with open(metrics) as f:
-            for ln in f:
-                try:
-                    last = max(last, int(json.loads(ln)["step"]))
-                except (ValueError, KeyError, TypeError):
-                    continue
+        last = max([r["step"] for r in metric_records(metrics)[0]], default=0)
     if not os.path.isdir(model) and last < cfg.steps:
         return []
     return [p for p in (METRICS_FILE, "model") if os.path.exists(os.path.join(out, p))]
@@ -121,14 +123,38 @@ def _has_checkpoints(out: str) -> bool:
     return os.path.isdir(d) and any(e.isdigit() for e in os.listdir(d))
 
 
+def metric_records(path: str) -> tuple[list[dict], int]:
+    """A metrics.jsonl's records, and how many lines were not records (a line torn by a kill
+    mid-write, or edited): those are skipped, never fatal."""
+    records, bad = [], 0
+    with open(path) as f:
+        for ln in f:
+            if not ln.strip():
+                continue
+            try:
+                r = json.loads(ln)
+                ok = isinstance(r, dict) and isinstance(r.get("step"), int) and \
+                    isinstance(r.get("loss"), (int, float))
+            except ValueError:
+                ok = False
+            if ok:
+                records.append(r)
+            else:
+                bad += 1
+    return records, bad
+
+
 def _truncate_metrics(path: str, step: int) -> None:
-    """Drop log lines past the restored step (written by the run that was interrupted)."""
+    """Drop log lines past the restored step (written by the run that was interrupted), and
+    lines that are not records (saying how many)."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+    records, bad = metric_records(path)
+    if bad:
+        print(f"note: {path}: dropped {bad} line(s) that were not metrics records (a line cut "
+              f"by an interrupted write, or an edit)", file=sys.stderr)
     with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
+        f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= step)
     os.replace(path + ".tmp", path)
 
 

@@ -1,7 +1,6 @@
 """Loss curves of several runs on one plot (StreamingLLM Fig. 6)."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -10,11 +9,15 @@ from jaxllm.plots import figure, running_mean
 
 
 def read_metrics(run_dir: str) -> list[dict]:
+    """A run's logged records (lines that are not records, e.g. one torn by a kill, skipped)."""
+    from .loop import metric_records
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise ValueError(f"{run_dir} has no metrics.jsonl: is it a train run directory?")
-    with open(path) as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+    records = metric_records(path)[0]
+    if not records:
+        raise ValueError(f"{path} holds no metrics records yet: plot once the run has logged")
+    return records
 
 
 def plot_loss_curves(runs: dict, path: str, title: str = "training loss") -> None:

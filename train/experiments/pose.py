@@ -21,7 +21,6 @@ OUT/table.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -69,8 +68,9 @@ def step_cost(cfg, run: str) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from train.plot import read_metrics
     from train.step import init_state, loss_fn
-    metrics = [json.loads(ln) for ln in open(os.path.join(run, "metrics.jsonl"))]
+    metrics = read_metrics(run)
     tps = np.median([m["tokens_per_s"] for m in metrics[1:]] or [metrics[0]["tokens_per_s"]])
     params = jax.eval_shape(lambda: init_state(cfg, jax.random.key(0)))["params"]
     L = cfg.seq_len + 1

@@ -36,6 +36,7 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
 
     from train.config import TrainConfig
     from train.loop import heldout_text
+    from train.plot import read_metrics
     results = {"window": window, "eval_tokens": eval_tokens, "variants": {}}
     for v in VARIANTS:
         run = os.path.join(out, v)
@@ -55,7 +56,7 @@ def evaluate(out: str, window: int, eval_tokens: int, progress: bool = True) -> 
         maps = attention_maps(params, cfg, heldout_text(run, 8 * L).reshape(8, L))
         plot_maps(maps, os.path.join(out, f"attention_{v}.png"),
                   f"{v}-sink model: head-averaged attention, first 16 tokens")
-        metrics = [json.loads(ln) for ln in open(os.path.join(run, "metrics.jsonl"))]
+        metrics = read_metrics(run)
         results["variants"][v] = {"ppl": row, "sink_metric": sink_metric(maps),
                                   "final_loss": metrics[-1]["loss"],
                                   "probes": [{"step": m["step"], **m["probe"]} for m in metrics
@@ -113,8 +114,8 @@ def train_parallel(base, out: str, child_args: list[str], poll_s: float = 30.0) 
 def _status(run: str) -> str:
     """The latest logged step of a run, in a few words."""
     try:
-        with open(os.path.join(run, "metrics.jsonl")) as f:
-            logged = [json.loads(ln) for ln in f if ln.strip()]
+        from train.plot import read_metrics
+        logged = read_metrics(run)
         last = logged[-1]
     except (OSError, IndexError, ValueError):
         return "starting"

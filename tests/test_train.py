@@ -58,6 +58,12 @@ def test_packing_order_is_seeded_and_resumable():
     assert not np.array_equal(other.next_batch(), PackedData(tokens, 9, 4, 3, 0.1).next_batch())
     with pytest.raises(ValueError, match="seed=3"):
         other.restore(b.state())
+    # An edited position: one line (it was numpy's "need at least one array to stack").
+    for edit in ({"index": -4}, {"index": 10 ** 9}, {"index": 3}, {"epoch": "1"}):
+        with pytest.raises(ValueError, match="is not one this data reaches"):
+            c.restore({**b.state(), **edit})
+    with pytest.raises(ValueError, match=r"lacks \['index'\]"):
+        c.restore({k: v for k, v in b.state().items() if k != "index"})
 
 
 def test_sources_text_jsonl_parquet_dir(tmp_path):

@@ -310,6 +310,19 @@ class PackedData:
 
     def restore(self, st: dict) -> None:
         mine = self.state()
+        if not isinstance(st, dict) or set(mine) - set(st):
+            raise ValueError(f"the checkpoint's data position {st!r} lacks "
+                             f"{sorted(set(mine) - set(st)) if isinstance(st, dict) else 'fields'}"
+                             f": the checkpoint is damaged; move its step aside to resume from "
+                             f"the one before, or start a new run directory")
+        ep, ix = st["epoch"], st["index"]
+        if not (type(ep) is int and type(ix) is int and ep >= 0 and 0 <= ix <= self.n_train
+                and ix % self.B == 0):
+            raise ValueError(f"the checkpoint's data position (epoch {ep!r}, index {ix!r}) is "
+                             f"not one this data reaches (an index in [0, {self.n_train}] in "
+                             f"steps of {self.B}): the checkpoint was edited or damaged; move "
+                             f"its step aside to resume from the one before, or start a new run "
+                             f"directory")
         for k in ("seed", "n_train", "seq_len", "batch_size"):
             if st[k] != mine[k]:
                 raise ValueError(f"the checkpoint's data iterator had {k}={st[k]}, this run has "

@@ -216,7 +216,7 @@ def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None =
           progress: bool = False, overwrite: bool = False, sources=()) -> None:
     """Write an HF directory (config.json + model.safetensors [+ tokenizer files]) atomically."""
     from jaxllm.io import save_file
-    from jaxllm.smoothquant import is_quantized
+    from jaxllm.quant import is_quantized
     hf_cfg = config_to_hf(cfg)
     if is_quantized(params):
         raise ValueError("these params are int8 (jaxllm quantize); export the float model")

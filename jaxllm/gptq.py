@@ -224,7 +224,7 @@ def quantize_model(params, cfg, tokens: np.ndarray, qcfg: GPTQConfig, batch: int
     ‖WX - ŴX‖² against RTN's (on the calibration inputs)."""
     from . import tree
     from .model import apply, block_apply
-    from .smoothquant import is_quantized
+    from .quant import is_quantized
     if is_quantized(params):
         raise ValueError("these params are already quantized; GPTQ and RTN start from float "
                          "weights (quantizing quantized weights compounds the rounding)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int, Int8
@@ -94,6 +95,21 @@ HALF_DTYPES = ("bfloat16", "float16")
 DECODE_DTYPES = ("float32",) + HALF_DTYPES
 
 
+def quantized_nodes() -> tuple:
+    """The node types of quantized or decode-layout weights: what "already quantized" means
+    to every converter (int8 and weight-only QKernel, INT8 attention's QAttention, low-bit
+    QLowBit)."""
+    from .lowbit import QLowBit  # (lowbit builds on this module)
+    return QKernel, QAttention, QLowBit
+
+
+def is_quantized(params) -> bool:
+    """Whether any weight is quantized, or stored in a decode layout, already."""
+    kinds = quantized_nodes()
+    return any(isinstance(x, kinds) for x in
+               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, kinds)))
+
+
 def decode_weights(params, dtype: str = "bfloat16") -> dict:
     """Float params with every linear kernel and the embedding table stored [out, in] in
     ``dtype`` (float32, bfloat16 or float16), as weight-only nodes: a :class:`QKernel` with ``q``
@@ -109,10 +125,10 @@ def decode_weights(params, dtype: str = "bfloat16") -> dict:
     if dtype not in DECODE_DTYPES:
         raise ValueError(f"decode_weights stores float32, bfloat16 or float16 weights, got "
                          f"{dtype!r} (int8 weights: jaxllm.smoothquant.quantize)")
+    if is_quantized(params):
+        raise ValueError("these weights are quantized (or in a decode layout) already; "
+                         "convert the float model")
     flat = tree.flatten(params)
-    if any(isinstance(x, (QKernel, QAttention)) for x in flat.values()):
-        raise ValueError("these params hold quantized or weight-only nodes already; convert "
-                         "the float model")
     dt = jnp.dtype(dtype)
     out = {}
     for path, x in flat.items():

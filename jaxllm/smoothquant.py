@@ -25,7 +25,7 @@ import numpy as np
 from . import tree
 from .config import ModelConfig
 from .model import apply, init_params
-from .quant import QMAX, QAttention, QKernel, quantize_rows, quantize_weight
+from .quant import QMAX, QAttention, QKernel, is_quantized, quantize_rows, quantize_weight
 
 # scheme -> (weights per channel?, activation mode)
 SCHEMES = {"o1": (False, "token"), "o2": (False, "tensor"), "o3": (False, "static"),
@@ -171,14 +171,6 @@ def add_outlier_channels(params, cfg: ModelConfig, channels, gain: float = 100.0
 def _linear_paths(params) -> list[str]:
     """Paths of the modules holding a ``kernel`` (the linear layers and the head)."""
     return [path[:-len("/kernel")] for path in tree.flatten(params) if path.endswith("/kernel")]
-
-
-def is_quantized(params) -> bool:
-    """Whether any weight is quantized already (int8 QKernel, or a low-bit QLowBit)."""
-    from .lowbit import QLowBit
-    kinds = (QKernel, QLowBit)
-    return any(isinstance(x, kinds) for x in
-               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, kinds)))
 
 
 def _check_embedding_head(cfg: ModelConfig, quantize_embedding: bool, quantize_head: bool):

@@ -206,3 +206,7 @@ def test_cli_rtn_writes_a_model_every_command_takes(tmp_path, capsys):
     assert info["linear_bytes"] < info["float_linear_bytes"] / 5
     assert main(["ppl", "--model", out, "--max-tokens", "64", "--cache", "32", "--quiet"]) == 0
     assert "ppl" in capsys.readouterr().out
+    # Its low-bit weights have no float decode layout: one line (a TypeError traceback before).
+    assert main(["ppl", "--model", out, "--weights", "bfloat16", "--max-tokens", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--weights bfloat16: these weights are quantized" in err and "\n" not in err

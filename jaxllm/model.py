@@ -1,7 +1,6 @@
 """The transformer: Flax modules that take the KV cache as an argument and return the new one."""
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -234,12 +233,13 @@ class Transformer(nn.Module):
         # build tracing and lowering the same block 30 times (docs/CPU.md, compile once).
         shared = not (self.is_initializing() or any(
             self.is_mutable_collection(c) for c in ("intermediates", "attention", "inputs")))
+        block_jit = _block_jit() if shared else None
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
                 cache.scores[layer:layer + 1]  # + the layer's evict.Scores if score-based
             if shared:
-                x, nc = _block_call(cfg, self.variables["params"][f"layer_{layer}"], x,
-                                    layer_cache, plan)
+                x, nc = _block_call(block_jit, cfg, self.variables["params"][f"layer_{layer}"],
+                                    x, layer_cache, plan)
             else:
                 x, nc = Block(cfg, name=f"layer_{layer}")(x, layer_cache, plan)
             if nc is not None:
@@ -281,21 +281,25 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _block_call(cfg: ModelConfig, layer_params, x, layer_cache, plan):
-    """One block applied as a jitted function; the Python values inside the cache and the plan
-    (sink counts, flags) stay static, as they are in the unrolled form."""
+def _block_call(block_jit, cfg: ModelConfig, layer_params, x, layer_cache, plan):
+    """One block applied through ``block_jit`` (:func:`_block_jit`); the Python values inside
+    the cache and the plan (sink counts, flags) stay static, as they are in the unrolled form."""
     leaves, tdef = jax.tree.flatten((layer_cache, plan), is_leaf=lambda v: v is None)
     arrays = [v for v in leaves if _is_array(v)]
     static = _Static([_ARRAY if _is_array(v) else v for v in leaves])
-    return _block_jit(cfg, tdef, static, layer_params, x, arrays)
+    return block_jit(cfg, tdef, static, layer_params, x, arrays)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _block_jit(cfg, tdef, static, layer_params, x, arrays):
-    it = iter(arrays)
-    leaves = [next(it) if v is _ARRAY else v for v in static.leaves]
-    layer_cache, plan = jax.tree.unflatten(tdef, leaves)
-    return Block(cfg).apply({"params": layer_params}, x, layer_cache, plan)
+def _block_jit():
+    """A jitted block made for one forward's trace: its layers share the one trace, and the
+    next forward traces afresh, so whatever a block reads while traced (a kernel chosen by
+    the environment, a size a test sets) is read again for every program, as unrolled."""
+    def block(cfg, tdef, static, layer_params, x, arrays):
+        it = iter(arrays)
+        leaves = [next(it) if v is _ARRAY else v for v in static.leaves]
+        layer_cache, plan = jax.tree.unflatten(tdef, leaves)
+        return Block(cfg).apply({"params": layer_params}, x, layer_cache, plan)
+    return jax.jit(block, static_argnums=(0, 1, 2))
 
 
 def block_apply(layer_params, cfg: ModelConfig, x: Float[Array, "b t d"], mutable=()):

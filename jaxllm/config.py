@@ -191,6 +191,11 @@ class ModelConfig:
         return self.vocab_size + (self.sink == "learnable")
 
     @property
+    def queries_per_kv(self) -> int:
+        """Query heads sharing one KV head (grouped-query attention; 1 for multi-head)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
     def rotary_dim(self) -> int:
         """Number of leading head dims that rotary embeddings rotate (GPT-NeoX ``rotary_ndims``)."""
         return int(self.head_dim * self.rotary_pct) if self.pos_emb == "rope" else 0

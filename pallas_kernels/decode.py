@@ -49,7 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-NEG_INF = -1e30  # jaxllm.attention.flash.NEG_INF
+from .common import NEG_INF
+
 KINDS = ("float", "int8", "token", "channel")
 
 

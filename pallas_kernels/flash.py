@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-NEG_INF = -1e30  # the library's mask value (jaxllm.attention.flash.NEG_INF)
+from .common import NEG_INF
+
 NO_SPAN = 2 ** 30  # "no window": larger than any distance
 
 

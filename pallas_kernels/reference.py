@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8
 
+from .common import NEG_INF
+
 QMAX = 127.0
-DECODE_NEG_INF = -1e30  # pallas_kernels.decode.NEG_INF
 
 
 K_MULTIPLE = 16
@@ -163,7 +164,7 @@ def decode_partials(q, keys, values, pick, dist=None, slopes=None, rope=None, *,
         s = s - slopes.astype(jnp.float32)[..., None] * by_row(dist)[:, None, :].astype(
             jnp.float32)
     ok = p[:, 0] >= 0
-    s = jnp.where(ok, s, DECODE_NEG_INF)
+    s = jnp.where(ok, s, NEG_INF)
     m = jnp.max(s, -1)
     e = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
     return m, e.sum(-1), permute(jnp.einsum("ngl,nld->ngd", e, v), per)

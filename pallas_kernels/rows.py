@@ -30,11 +30,11 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int8
 
 from . import reference as ref
+from .common import TARGET_PROGRAMS
 from .matmul import _round_half_even
 
 MODES = ("w8a8", "w8")
 MAX_ROWS = 64
-TARGET_PROGRAMS = 264  # two per SM of an H100 (132)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,9 +81,7 @@ def step_probs(s, pick, mask, dist, cfg: ModelConfig, slopes=None):
         s = s[:, :, 0]
     if dist is not None:
         if slopes is None:
-            G = cfg.num_heads // cfg.num_kv_heads
-            slopes = jnp.asarray(sc.alibi_slopes(cfg.num_heads, cfg.alibi_bias_max),
-                                 jnp.float32).reshape(1, cfg.num_kv_heads, G)
+            slopes = sc.model_slopes(cfg, grouped=True)[None]
         else:
             slopes = slopes[:, None]  # [B, 1, G]
         s = s - slopes[..., None] * dist[:, None, None, :].astype(jnp.float32)
@@ -111,7 +109,7 @@ def attend_cache(q, k, v, plan: "Decode", cfg: ModelConfig,
     when stored rotated, never rotated again.
     """
     B, _, H, Dh = q.shape
-    KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    KVH, G = cfg.num_kv_heads, cfg.queries_per_kv
     C = k.shape[1]
     rope = plan.q.cos is not None
     R = 3 if rope else 1  # without RoPE the three positions give the same query
@@ -133,8 +131,8 @@ def attend_cache(q, k, v, plan: "Decode", cfg: ModelConfig,
     rows, N = R * G, B * KVH
     qm = q.transpose(0, 2, 1, 3, 4).reshape(N, rows, Dh).astype(jnp.float32)  # row r * G + g
     alibi = cfg.pos_emb == "alibi"
-    slopes = jnp.tile(jnp.asarray(sc.alibi_slopes(cfg.num_heads, cfg.alibi_bias_max) if alibi
-                                  else np.zeros(H), jnp.float32).reshape(KVH, G), (B, 1))
+    slopes = jnp.tile(sc.model_slopes(cfg, grouped=True) if alibi
+                      else jnp.zeros((KVH, G), jnp.float32), (B, 1))
     mask = jnp.broadcast_to(plan.mask[:, 0], (B, C))
 
     def by_kernel(k, v, qm):
@@ -161,7 +159,7 @@ def _attend_xla(k, v, qm, plan: "Decode", mask, slopes, R: int, cfg: ModelConfig
     """``attend_cache``'s pass by XLA: k, v [N, C, Dh] (N = B * KVH), the query rows qm
     [N, R * G, Dh] -> [N, G, Dh]."""
     N, C, _ = k.shape
-    KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    KVH, G = cfg.num_kv_heads, cfg.queries_per_kv
     rows, alibi = R * G, cfg.pos_emb == "alibi"
     # Scores, softmax and values for a few heads at a time, in one pass: a 2-byte cache is
     # widened a group of heads at a time (bits.in_widened_groups), keys and values together,

@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.common import NEG_INF
+
 from ..bits import widen
 from ..rope import Rotation, apply_rope
 
-NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 BACKENDS = ("auto", "blockwise", "materialised", "pallas")
 
 # Elements of one block of scores (batch x heads x queries x keys, float32) the jnp form aims

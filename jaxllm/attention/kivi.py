@@ -87,7 +87,7 @@ def attend(q, k, v, ck: KiviKeys, cv: KiviValues, p: KiviDecode, cfg: ModelConfi
     """q [B, 1, H, Dh], the step's k, v [B, KVH, 1, Dh] (pre-RoPE), the layer's stores before
     the step -> out [B, 1, H, Dh] float32."""
     B, _, H, Dh = q.shape
-    KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    KVH, G = cfg.num_kv_heads, cfg.queries_per_kv
     N, lay = B * KVH, p.chunk.lay
     R, Wp, W = ck.spec.residual, ck.codes.shape[2], ck.window
     S = ck.sinks.shape[2]

@@ -54,7 +54,7 @@ def softmax(scores, mask, cfg: ModelConfig):
 def scores(q, k, cfg: ModelConfig, int8_att: Optional[QAttention] = None):
     """q [B, T, H, Dh], k [B, KVH, L, Dh] (head-major) -> [B, KVH, G, T, L] float32, scaled."""
     B, T = q.shape[:2]
-    G = cfg.num_heads // cfg.num_kv_heads
+    G = cfg.queries_per_kv
     q = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim).astype(jnp.float32)
     if int8_att is not None:
         return qk_scores(q, k.astype(jnp.float32), int8_att.real) / math.sqrt(cfg.head_dim)
@@ -71,11 +71,13 @@ def alibi_slopes(num_heads: int, bias_max: float) -> np.ndarray:
     return slopes.astype(np.float32)
 
 
-def model_slopes(cfg: ModelConfig):
-    """The model's ALiBi slopes [H] float32, or None without ALiBi."""
+def model_slopes(cfg: ModelConfig, grouped: bool = False):
+    """The model's ALiBi slopes, float32: [H], or [KVH, G] by KV head with ``grouped`` (the
+    layout grouped-query scores take); None without ALiBi."""
     if cfg.pos_emb != "alibi":
         return None
-    return jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max), jnp.float32)
+    s = jnp.asarray(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max), jnp.float32)
+    return s.reshape(cfg.num_kv_heads, cfg.queries_per_kv) if grouped else s
 
 
 def part_scores(q, q_rot: Rotation, k, k_rot: Rotation, cfg: ModelConfig, int8_att=None):
@@ -86,8 +88,7 @@ def part_scores(q, q_rot: Rotation, k, k_rot: Rotation, cfg: ModelConfig, int8_a
     q, k = apply_rope(q, q_rot), apply_rope(k, k_rot, head_major=True)
     s = scores(q, k, cfg, int8_att)  # [B, KVH, G, T, L]
     if cfg.pos_emb == "alibi":
-        G = cfg.num_heads // cfg.num_kv_heads
-        slopes = alibi_slopes(cfg.num_heads, cfg.alibi_bias_max).reshape(cfg.num_kv_heads, G)
+        slopes = model_slopes(cfg, grouped=True)
         if k_rot.pos.ndim == 3:  # per-head key positions [B, KVH, L] (score-based eviction)
             dist = q_rot.pos[:, None, None, :, None] - k_rot.pos[:, :, None, None, :]
         else:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallas_kernels import decode as kernel
+from pallas_kernels.common import TARGET_PROGRAMS
 
 from ..config import ModelConfig
 from ..kv import stores
@@ -30,7 +31,6 @@ from ..rope import apply_rope
 from . import flash
 from . import scores as sc
 
-TARGET_PROGRAMS = 256  # programs per step the splits aim for: two per SM of an H100 (132)
 BLOCK = 64  # slots per block (KIVI's keys: their group)
 
 
@@ -112,16 +112,14 @@ def virtual_zero(N: int, G: int, D: int):
 def slopes_of(cfg: ModelConfig, B: int) -> Optional[Float[Array, "n g"]]:
     if cfg.pos_emb != "alibi":
         return None
-    G = cfg.num_heads // cfg.num_kv_heads
-    s = jnp.asarray(sc.alibi_slopes(cfg.num_heads, cfg.alibi_bias_max), jnp.float32)
-    return jnp.tile(s.reshape(cfg.num_kv_heads, G), (B, 1))
+    return jnp.tile(sc.model_slopes(cfg, grouped=True), (B, 1))
 
 
 def attend(q, layer_k, layer_v, plan, cfg: ModelConfig, sinks: int, freq):
     """A decode step (jaxllm.attention.decode's plan) after its token is written: q
     [B, 1, H, Dh], the written layers -> out [B, 1, H, Dh] float32."""
     B, _, H, Dh = q.shape
-    KVH, G = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    KVH, G = cfg.num_kv_heads, cfg.queries_per_kv
     N, S = B * KVH, sinks
     rope = plan.q.cos is not None
     R = 3 if rope else 1  # the query at the sinks', this lap's and last lap's positions

@@ -12,7 +12,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .kv.cache import KVCache, available_bytes, check_room
 from .config import INT32_MAX, ModelConfig
-from .model import apply, check_chunk, forward
+from .model import apply, check_chunk, forward, prefill_block
 from .positions import with_sink
 from .weight_only import loop_weights
 
@@ -199,9 +199,30 @@ def generate(params, cfg: ModelConfig, prompt: Int[Array, "b p"], cache: KVCache
     next round of a chat is ``generate(params, cfg, next_prompt, result.cache, ...)``.
     """
     prompt, lens = _prepare(cfg, prompt, cache, prompt_lengths, sampling)
+    prompt = _padded_to_bucket(prompt, cache)
     key = jax.random.key(0) if key is None else key
     out, count, cache = _generate_jit(*loop_args(params, cfg, sampling, prompt, lens, cache, key))
     return GenerateResult(out[:, :sampling.max_new_tokens], count, cache)
+
+
+def prompt_bucket(T: int, cache: KVCache) -> int:
+    """The padded length a T-token prompt is fed at, so that prompts of nearby lengths share a
+    compiled program: a power of two up to 256 (at least 16), then a multiple of 256; past one
+    prefill block, whole blocks (the blockwise prefill runs whole blocks anyway). A dense cache
+    is never padded past its size, and score-based eviction not at all (it attends the chunk
+    as one, so padding would be work for nothing)."""
+    if cache.evict_by is not None:
+        return T
+    blk = prefill_block(cache.batch, cache.window)
+    b = max(16, 1 << (T - 1).bit_length()) if T <= 256 else -(-T // 256) * 256
+    if b > blk:
+        b = -(-T // blk) * blk
+    return b if cache.ring else max(T, min(b, cache.capacity))
+
+
+def _padded_to_bucket(prompt, cache: KVCache):
+    T = prompt.shape[1]
+    return jnp.pad(prompt, ((0, 0), (0, prompt_bucket(T, cache) - T)))
 
 
 def loop_args(params, cfg: ModelConfig, sampling: SamplingConfig, prompt, lens, cache, key):

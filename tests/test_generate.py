@@ -65,6 +65,35 @@ def test_one_compiled_loop_serves_every_budget_and_end_token():
     assert len(traced) == 1, traced
 
 
+def test_nearby_prompt_lengths_share_one_compiled_loop():
+    """Prompts are fed padded to a bucket (here whole prefill blocks of a 7-slot window, a shape no other test here compiles):
+    lengths 3 and 5 run one program, 9 and 12 another; every answer is the greedy loop's."""
+    traced = []
+
+    def on(event, secs, **kw):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and \
+                "_generate_jit" in str(kw.get("fun_name")):
+            traced.append(kw["fun_name"])
+    rng = np.random.default_rng(3)
+    jax.monitoring.register_event_duration_secs_listener(on)
+    try:
+        for T in (3, 5, 9, 12):
+            prompt = [int(t) for t in rng.integers(0, LLAMA.vocab_size, T)]
+            res = jaxllm.generate(PARAMS, LLAMA, np.asarray([prompt]),
+                                  jaxllm.init_cache(LLAMA, 1, sinks=2, window=7),
+                                  jaxllm.SamplingConfig(max_new_tokens=8))
+            assert list(np.asarray(res.tokens[0])) == greedy_by_hand(prompt, 8, 2, 7), T
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on)
+    assert len(traced) == 2, traced
+    from jaxllm.generate import prompt_bucket
+    ring = jaxllm.init_cache(LLAMA, 1, sinks=4, window=1020)
+    assert [prompt_bucket(T, ring) for T in (1, 17, 200, 257, 700, 1000, 1500)] == \
+        [16, 32, 256, 512, 768, 1020, 2040]
+    dense = jaxllm.init_cache(LLAMA, 1, sinks=0, window=40, ring=False)
+    assert [prompt_bucket(T, dense) for T in (3, 20, 40)] == [16, 32, 40]
+
+
 def test_bfloat16_cache_generates_in_place():
     """A bfloat16 cache (on CPU its uint16 bits, kv.stores.Bf16Bits) through the one-jit loop: the
     greedy tokens of the per-token Python loop, the same cache contents, and its bits donated."""

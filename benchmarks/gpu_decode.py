@@ -13,8 +13,7 @@ the same device: its default generate, and a static cache with ``torch.compile``
 
 ``--attention pallas,blockwise`` runs the KV rows by each attention form in one process: the
 kernel that reads the cache as stored (pallas_kernels.decode) and the XLA form that decodes it
-first (``$JAXLLM_ATTENTION``, jaxllm.attention.flash.backend; the compiled programs are dropped
-between forms, so each traces its own).
+first (the config's ``kernels.attention``: each form is its own program).
 
 Every record also goes to ``<out>/decode.json``: a list of {engine, device, weights, kv,
 attention, batch, cache, prompt, decode_ms, prefill_ms, kv_bytes, max_batch_estimate}, written
@@ -45,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import jaxllm  # noqa: E402
 from jaxllm import gptq, smoothquant as sq  # noqa: E402
 from jaxllm.attention import flash  # noqa: E402
+from jaxllm.config import Kernels  # noqa: E402
 from jaxllm.kv.cache import kv_bytes  # noqa: E402
 from jaxllm.kv.quantized import KVQuant  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
@@ -226,8 +226,7 @@ def main() -> None:
     for wname in a.weights.split(","):
         cfg, params = weights(wname, cfg0, params0)
         for form in forms if wname == "bf16" else forms[:1]:
-            os.environ["JAXLLM_ATTENTION"] = form
-            jax.clear_caches()  # the form is chosen when a program is traced
+            cfg = dataclasses.replace(cfg, kernels=Kernels(attention=form))
             for kname in a.kv.split(",") if wname == "bf16" else ["bf16"]:
                 for B in (int(b) for b in a.batch.split(",")):
                     try:
@@ -237,7 +236,8 @@ def main() -> None:
                         row = dict(engine="jaxllm", kv=kname, batch=B,
                                    prompt=a.sinks + a.window, decode_ms=None, prefill_ms=None,
                                    kv_bytes=None, max_batch_estimate=None, refused=str(e))
-                    keep(dict(row, weights=wname, attention=flash.backend()))
+                    keep(dict(row, weights=wname,
+                              attention=flash.backend(cfg.kernels.attention)))
         del params
     if a.transformers:
         for B in (int(b) for b in a.batch.split(",")):

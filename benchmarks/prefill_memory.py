@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _record import record  # noqa: E402
 
 import jaxllm  # noqa: E402
+from jaxllm.config import Kernels  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
 
 
@@ -53,8 +54,8 @@ def main() -> None:
     ap.add_argument("--attention", default="blockwise", choices=("blockwise", "materialised"))
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
-    os.environ["JAXLLM_ATTENTION"] = a.attention  # read when the prefill is traced
-    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=a.layers)
+    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=a.layers,
+                              kernels=Kernels(attention=a.attention))
     rows = ["| batch x prompt tokens | temporaries (GiB) |", "|---|---:|"]
     for shape in a.shapes.split(","):
         B, T = (int(x) for x in shape.split("x"))

@@ -12,6 +12,47 @@ ROPE_KINDS = ("linear", "dynamic", "llama3", "ntk", "yarn", "ntk-by-parts")
 SINKS = ("none", "learnable", "zero")
 
 
+ATTENTION_KERNELS = ("auto", "blockwise", "materialised", "pallas")
+INT8_KERNELS = ("auto", "xla", "cpu", "triton", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which implementation runs each op. Part of the static configuration every program is
+    compiled for (``ModelConfig.kernels``), so a program built for one choice is never reused
+    for another; not saved with a model (where it runs is not what it is).
+
+    * ``attention``: ``blockwise`` (jnp, online softmax over blocks of keys), ``materialised``
+      (all scores at once: the oracle, and what attention maps read), ``pallas`` (the Pallas
+      kernels: flash prefill, decode over the cache as stored); ``auto``: pallas on GPU and
+      TPU, blockwise elsewhere.
+    * ``int8``: the INT8 and low-bit products (pallas_kernels.resolve_backend): ``xla``,
+      ``cpu`` (the C++ kernels), ``triton``, ``tpu``; ``auto``: by platform.
+
+    The CLI takes its defaults from ``$JAXLLM_ATTENTION`` and ``$JAXLLM_INT8_BACKEND``
+    (:meth:`from_env`, read once where it loads the model); the library reads no variable.
+    """
+
+    attention: str = "auto"
+    int8: str = "auto"
+
+    def __post_init__(self):
+        for name, options in (("attention", ATTENTION_KERNELS), ("int8", INT8_KERNELS)):
+            if getattr(self, name) not in options:
+                raise ValueError(f"unknown {name} kernel {getattr(self, name)!r}; choose one of "
+                                 f"{', '.join(options)}")
+
+    @classmethod
+    def from_env(cls) -> "Kernels":
+        """The choices named by $JAXLLM_ATTENTION and $JAXLLM_INT8_BACKEND (auto where unset)."""
+        import os
+        try:
+            return cls(os.environ.get("JAXLLM_ATTENTION") or "auto",
+                       os.environ.get("JAXLLM_INT8_BACKEND") or "auto")
+        except ValueError as e:
+            raise ValueError(f"{e} ($JAXLLM_ATTENTION / $JAXLLM_INT8_BACKEND)") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling for context extension (the ``rope_scaling`` of HF Llama configs).
@@ -127,6 +168,8 @@ class ModelConfig:
     # ``sink_id`` = vocab_size, put first in every training sample and every stream; "zero" is
     # softmax-off-by-one, e^{x_i} / (1 + sum_j e^{x_j}), a key and value of all zeros.
     sink: Literal["none", "learnable", "zero"] = "none"
+    # How the model's programs run, not what the model is (not saved; see Kernels).
+    kernels: Kernels = Kernels()
 
     def __post_init__(self):
         def choice(name, options):
@@ -138,6 +181,8 @@ class ModelConfig:
         choice("pos_emb", POSITIONS)
         choice("norm", ("layernorm", "rmsnorm"))
         choice("sink", SINKS)
+        if not isinstance(self.kernels, Kernels):
+            raise ValueError(f"kernels must be a jaxllm.config.Kernels, got {self.kernels!r}")
         if isinstance(self.rope_scaling, dict):  # from JSON
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -223,11 +268,14 @@ class ModelConfig:
 
     # ---- (de)serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The architecture as JSON (the kernel choice is not part of it)."""
+        d = dataclasses.asdict(self)
+        d.pop("kernels")
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"kernels"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; known: {sorted(known)}")

@@ -141,14 +141,15 @@ def chunk_columns(node: QLowBit) -> int:
     return int(c) if c < node.in_features else node.in_features
 
 
-def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[Array, "... o"]:
+def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32, backend: str = "auto"
+           ) -> Float[Array, "... o"]:
     """x @ ŵᵀ in ``dtype``. On a GPU or TPU the Pallas kernel (pallas_kernels.packed_matmul)
     reads the packed codes and dequantizes in registers, x and ŵ rounded to ``dtype``, float32
     sums; weights it does not take (3-bit codes, shapes in its ``supports``) use
     :func:`xla_matmul`. On a CPU with AVX2, a few rows (decode) of 4- or 8-bit codes go to the
     C++ kernel that widens the codes in registers (pallas_kernels.cpu.lowbit_rows); more rows,
-    and other CPUs, use :func:`xla_matmul`. ``JAXLLM_INT8_BACKEND=xla`` chooses the XLA form
-    everywhere."""
+    and other CPUs, use :func:`xla_matmul`. ``backend="xla"`` (a ModelConfig's
+    ``kernels.int8``) chooses the XLA form everywhere."""
     lead, n = x.shape[:-1], node.in_features
     out = node.codes.shape[0]
     x2 = x.reshape(-1, n)
@@ -166,7 +167,7 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32) -> Float[
         return cpu_kernels.lowbit_rows(x2.astype(dtype).astype(jnp.float32), node.codes,
                                        node.scale, node.offset, node.bits,
                                        node.group).astype(dtype)
-    if pallas_kernels.resolve_backend() == "xla":
+    if pallas_kernels.resolve_backend(backend) == "xla":
         y = xla(x2)
     else:
         cpu = on_cpu if cpu_kernels.lowbit_use_for(x2.shape[0], node.bits, node.group) else xla

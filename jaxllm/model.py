@@ -31,6 +31,7 @@ class Linear(nn.Module):
     use_bias: bool
     std: float
     dtype: jnp.dtype = jnp.float32
+    int8: str = "auto"  # the INT8 / low-bit products' implementation (ModelConfig.kernels)
 
     @nn.compact
     def __call__(self, x):
@@ -44,9 +45,9 @@ class Linear(nn.Module):
                  init_fn=lambda: 0.0)
         kernel = self.get_variable("params", "kernel")
         if isinstance(kernel, QKernel):  # INT8 (jaxllm.quant): dispatch on the leaf's type
-            y = qmatmul(x, kernel, self.dtype)
+            y = qmatmul(x, kernel, self.dtype, self.int8)
         elif isinstance(kernel, QLowBit):  # k-bit weight-only (jaxllm.lowbit, jaxllm.gptq)
-            y = lowbit.matmul(x, kernel, self.dtype)
+            y = lowbit.matmul(x, kernel, self.dtype, self.int8)
         else:
             kernel = self.param("kernel", nn.initializers.normal(self.std),
                                 (x.shape[-1], self.features))
@@ -65,6 +66,7 @@ class Embed(nn.Module):
     vocab: int
     dim: int
     std: float
+    int8: str = "auto"  # the tied head's product (ModelConfig.kernels)
 
     @nn.compact
     def __call__(self, tokens):
@@ -85,12 +87,12 @@ class Embed(nn.Module):
         table = self.get_variable("params", "embedding")
         if isinstance(table, QKernel):  # the table is [vocab, dim] = [out, in]
             return qmatmul(x, table.replace(q=table.q[:vocab], scale=table.scale[:vocab]),
-                           jnp.float32)
+                           jnp.float32, self.int8)
         if isinstance(table, QLowBit):
             if table.codes.shape[0] != vocab:
                 table = table.replace(codes=table.codes[:vocab], scale=table.scale[:vocab],
                                       offset=table.offset[:vocab])
-            return lowbit.matmul(x, table, jnp.float32)
+            return lowbit.matmul(x, table, jnp.float32, self.int8)
         return jnp.einsum("...d,vd->...v", x, table[:vocab])
 
 
@@ -123,11 +125,11 @@ class Attention(nn.Module):
     def __call__(self, x, layer_cache, plan: attention.Plan):
         cfg = self.cfg
         B, T, _ = x.shape
-        dt = _dtype(cfg)
+        dt, k8 = _dtype(cfg), cfg.kernels.int8
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
         def proj(heads, name):
-            y = Linear(heads * cfg.head_dim, cfg.attn_bias, cfg.init_std, dt, name=name)(x)
+            y = Linear(heads * cfg.head_dim, cfg.attn_bias, cfg.init_std, dt, k8, name=name)(x)
             if cfg.qkv_clip:
                 y = jnp.clip(y, -cfg.qkv_clip, cfg.qkv_clip)
             return y.reshape(B, T, heads, cfg.head_dim)  # [B, T, heads, Dh]
@@ -145,7 +147,7 @@ class Attention(nn.Module):
             self.sow("attention", "probs", probs.reshape(B, cfg.num_heads, T, T),
                      reduce_fn=lambda a, b: b, init_fn=lambda: 0.0)
         ctx = ctx.reshape(B, T, cfg.num_heads * cfg.head_dim).astype(dt)
-        return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, name="o")(ctx), new_cache
+        return Linear(cfg.hidden_size, cfg.attn_bias, out_std, dt, k8, name="o")(ctx), new_cache
 
 
 ACTIVATIONS = {"gelu": lambda h: jax.nn.gelu(h, approximate=False),
@@ -158,15 +160,16 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        cfg, dt = self.cfg, _dtype(self.cfg)
+        cfg, dt, k8 = self.cfg, _dtype(self.cfg), self.cfg.kernels.int8
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        up = Linear(cfg.intermediate_size, cfg.mlp_bias, cfg.init_std, dt, name="up")
+        up = Linear(cfg.intermediate_size, cfg.mlp_bias, cfg.init_std, dt, k8, name="up")
         if cfg.mlp == "swiglu":
-            gate = Linear(cfg.intermediate_size, cfg.mlp_bias, cfg.init_std, dt, name="gate")(x)
+            gate = Linear(cfg.intermediate_size, cfg.mlp_bias, cfg.init_std, dt, k8,
+                          name="gate")(x)
             h = jax.nn.silu(gate) * up(x)
         else:
             h = ACTIVATIONS[cfg.mlp](up(x))
-        return Linear(cfg.hidden_size, cfg.mlp_bias, out_std, dt, name="down")(h)
+        return Linear(cfg.hidden_size, cfg.mlp_bias, out_std, dt, k8, name="down")(h)
 
 
 class Block(nn.Module):
@@ -203,10 +206,11 @@ class Transformer(nn.Module):
         cfg = self.cfg
         B, T = tokens.shape
         dt = _dtype(cfg)
-        embed = Embed(cfg.embed_rows, cfg.embedding_dim, cfg.init_std, name="embed")
+        k8 = cfg.kernels.int8
+        embed = Embed(cfg.embed_rows, cfg.embedding_dim, cfg.init_std, k8, name="embed")
         x = embed(tokens).astype(dt)
         if cfg.embedding_dim != cfg.hidden_size:  # OPT: embeddings narrower than the model
-            x = Linear(cfg.hidden_size, False, cfg.init_std, dt, name="project_in")(x)
+            x = Linear(cfg.hidden_size, False, cfg.init_std, dt, k8, name="project_in")(x)
         if cfg.pos_emb == "learned":  # absolute positions (dense caches only, see check_chunk)
             pos = jnp.arange(T)[None] + (0 if cache is None else cache.length[:, None])
             pos = pos if positions is None else positions
@@ -251,11 +255,11 @@ class Transformer(nn.Module):
         if cfg.final_norm:
             x = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_final")(x)
         if cfg.embedding_dim != cfg.hidden_size:
-            x = Linear(cfg.embedding_dim, False, cfg.init_std, dt, name="project_out")(x)
+            x = Linear(cfg.embedding_dim, False, cfg.init_std, dt, k8, name="project_out")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x.astype(jnp.float32), cfg.vocab_size)
         else:
-            logits = Linear(cfg.vocab_size, False, cfg.init_std, dt, name="lm_head")(x)
+            logits = Linear(cfg.vocab_size, False, cfg.init_std, dt, k8, name="lm_head")(x)
         return logits.astype(jnp.float32), (tuple(new_k), tuple(new_v), tuple(new_s))
 
 

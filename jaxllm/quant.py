@@ -165,24 +165,28 @@ def act_scale_of(x: Array, k: QKernel) -> Array:
     return k.act_scale
 
 
-def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32) -> Float[Array, "... o"]:
+def qmatmul(x: Float[Array, "... i"], k: QKernel, dtype=jnp.float32, backend: str = "auto"
+            ) -> Float[Array, "... o"]:
     """x @ W for a quantized W (stored [out, in]), by the node's activation mode and real/fake
-    setting. Scales are per output channel or per tensor."""
+    setting. Scales are per output channel or per tensor. ``backend``: the INT8 products'
+    implementation (pallas_kernels.resolve_backend; a ModelConfig's ``kernels.int8``)."""
     if k.act == "none":  # weight-only: the int8 (or half) weight is widened next to the matmul
-        return weight_only_matmul(x, k.q, k.scale, dtype)
+        return weight_only_matmul(x, k.q, k.scale, dtype, backend)
     if k.q.dtype != jnp.int8:
         raise ValueError(f"a {k.q.dtype.name} weight is weight-only (act='none'); act={k.act!r} "
                          f"needs int8 weights (jaxllm.smoothquant.quantize)")
     lead = x.shape[:-1]
     if k.real and k.act == "token":  # the rows' quantization goes with the product (a CPU
         # kernel does both in one call at few rows; the numbers of the branch below under jit)
-        y = pallas_kernels.w8a8_matmul_per_token(x.reshape(-1, x.shape[-1]), k.q, k.scale)
+        y = pallas_kernels.w8a8_matmul_per_token(x.reshape(-1, x.shape[-1]), k.q, k.scale,
+                                                 backend=backend)
         return y.reshape(*lead, k.q.shape[0]).astype(dtype)
     sx = act_scale_of(x, k)
     xq = quantize(x, sx)
     if k.real:  # eq. 2: the scales are applied to the int32 product (outer dims only)
         # pallas_kernels dispatches: the Pallas kernel on GPU/TPU, XLA's dot_general elsewhere.
-        y = pallas_kernels.w8a8_matmul(xq.reshape(-1, x.shape[-1]), k.q, sx, k.scale)
+        y = pallas_kernels.w8a8_matmul(xq.reshape(-1, x.shape[-1]), k.q, sx, k.scale,
+                                       backend=backend)
         return y.reshape(*lead, k.q.shape[0]).astype(dtype)
     # Fake quant: the same quantize-dequantize, multiplied in float32. The integer-valued product
     # is formed first (exact in float32 while |sum| < 2^24) and scaled after, as eq. 2 does, so

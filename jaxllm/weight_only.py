@@ -40,7 +40,7 @@ VECMAT_MAX_IN = 3072
 
 
 def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "..."],
-                       dtype=jnp.float32) -> Float[Array, "... o"]:
+                       dtype=jnp.float32, backend: str = "auto") -> Float[Array, "... o"]:
     """x @ (q · scale)ᵀ for a weight-only kernel ``q`` [out, in] (int8, or bfloat16/float16 from
     :func:`decode_weights`): ``(x @ qᵀ) · scale``, the per-channel or per-tensor scale applied to
     the product (an outer dimension, as eq. 2).
@@ -57,7 +57,7 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
     lead, (n_out, n_in) = x.shape[:-1], q.shape
     cpu = jax.default_backend() == "cpu"
     if (q.dtype == jnp.int8 and jnp.dtype(dtype) == jnp.bfloat16
-            and pallas_kernels.resolve_backend() == "triton"
+            and pallas_kernels.resolve_backend(backend) == "triton"
             and x.size // n_in <= pallas_kernels.rows.MAX_ROWS):
         # Decode on a GPU: the split-K kernel reads the int8 weight once, converting it in
         # registers (the same bfloat16 x int8 products summed in float32 as the form below).

@@ -14,12 +14,11 @@ lowering) and TPU (Mosaic), ``cpu`` on CPUs and the pure-jnp reference (XLA) els
 is XLA's too, except the few-row products (decode) of ``w8a8_matmul`` and
 ``w8a8_matmul_per_token`` on a CPU with AVX-512 VNNI: those go to a hand-written FFI kernel
 (:mod:`pallas_kernels.cpu`; exact, the same int32 sums). Override with ``backend=`` (``xla`` |
-``cpu`` | ``triton`` | ``tpu``) or the environment variable ``JAXLLM_INT8_BACKEND``;
+``cpu`` | ``triton`` | ``tpu``; jaxllm passes its ``ModelConfig.kernels.int8``);
 ``interpret=True`` runs a Pallas backend on CPU.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax
@@ -34,14 +33,14 @@ BACKENDS = ("xla", "cpu", "triton", "tpu")
 
 
 def resolve_backend(backend: Optional[str] = None) -> str:
-    """``backend`` or $JAXLLM_INT8_BACKEND or, for ``auto``, by platform: triton on GPU, tpu on
-    TPU, cpu on CPU, xla elsewhere."""
-    b = backend or os.environ.get("JAXLLM_INT8_BACKEND", "auto")
+    """``backend``, or for ``auto`` (and None) by platform: triton on GPU, tpu on TPU, cpu on
+    CPU, xla elsewhere."""
+    b = backend or "auto"
     if b == "auto":
         return {"gpu": "triton", "tpu": "tpu", "cpu": "cpu"}.get(jax.default_backend(), "xla")
     if b not in BACKENDS:
         raise ValueError(f"unknown INT8 backend {b!r}; choose auto, {', '.join(BACKENDS)} "
-                         f"(argument backend= or JAXLLM_INT8_BACKEND)")
+                         f"(argument backend=)")
     return b
 
 

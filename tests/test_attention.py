@@ -14,6 +14,7 @@ from conftest import LLAMA, NEOX
 
 import jaxllm
 from jaxllm.attention import flash
+from jaxllm.config import Kernels
 from jaxllm.model import apply
 
 MPT = dataclasses.replace(NEOX, family="mpt", pos_emb="alibi", norm_bias=False, attn_bias=False,
@@ -136,8 +137,8 @@ def test_gradient_is_the_definitions(form):
 
 
 def _logits(cfg, params, form, monkeypatch, tokens, cache=None, lens=None):
-    """Logits (and the cache) of ``apply`` with attention in ``form``, freshly traced."""
-    monkeypatch.setenv("JAXLLM_ATTENTION", form)
+    """Logits (and the cache) of ``apply`` with attention in ``form`` (the config's kernels)."""
+    cfg = dataclasses.replace(cfg, kernels=Kernels(attention=form))
     return jax.jit(functools.partial(apply, cfg=cfg))(params, tokens=tokens, cache=cache,
                                                       lens=lens)
 
@@ -190,10 +191,9 @@ def test_temporaries_grow_linearly_with_the_prompt(form, bound, monkeypatch):
     blocks of 2^14 scores: blockwise, 4x the tokens take at most about 4x the temporaries;
     the materialised scores take about 16x, and 6x through the cache, T x (S + W + T) with a
     window of 4T (the check that the measurement sees the quadratic term)."""
-    monkeypatch.setenv("JAXLLM_ATTENTION", form)
     monkeypatch.setattr(flash, "SCORE_BLOCK_ELEMENTS", 1 << 14)
     cfg = dataclasses.replace(LLAMA, num_layers=1, hidden_size=64, num_heads=8, num_kv_heads=2,
-                              vocab_size=32)
+                              vocab_size=32, kernels=Kernels(attention=form))
     params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
     B, T = 2, 256
     toks = lambda t: jax.ShapeDtypeStruct((B, t), jnp.int32)
@@ -226,9 +226,9 @@ def test_prefill_and_training_step_lower_for_gpu_and_tpu(platform, call, preset,
     A prefill of 512 tokens through a bfloat16 StreamingLLM 4+4092 cache and a training
     step's gradient, at Llama-2-7B (2 layers) and SmolLM2-135M shapes, lower with the attention
     kernel in them."""
-    monkeypatch.setenv("JAXLLM_ATTENTION", "pallas")
     cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2) \
         if preset == "llama2-7b" else SMOLLM2
+    cfg = dataclasses.replace(cfg, kernels=Kernels(attention="pallas"))
     params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
     cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, 1, sinks=4, window=4092,
@@ -275,3 +275,19 @@ def test_gpu_prefill_of_8_x_2048_at_7b_shapes_runs():
     logits, cache = jax.jit(functools.partial(apply, cfg=cfg, last_only=True))(
         params, tokens=toks, cache=cache, lens=jnp.full((8,), 2048, jnp.int32))
     assert logits.shape == (8, 1, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+
+
+def test_the_kernel_is_chosen_by_argument_for_each_program():
+    """One jitted function (forward's), configs that differ only in their kernels: each call
+    gets its own program, the Pallas one with the kernel in it and the one after without it,
+    with no environment variable set and no cache cleared in between."""
+    from jaxllm.model import _forward_jit
+    params = jax.eval_shape(lambda k: jaxllm.init_params(LLAMA, k), jax.random.key(0))
+    toks = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    found = []
+    for form in ("blockwise", "pallas", "blockwise"):
+        cfg = dataclasses.replace(LLAMA, kernels=Kernels(attention=form))
+        text = _forward_jit.trace(params, cfg=cfg, tokens=toks).lower(
+            lowering_platforms=("cuda",)).as_text()
+        found.append("__gpu$xla.gpu.triton" in text)
+    assert found == [False, True, False]

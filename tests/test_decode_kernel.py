@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxllm
+from jaxllm.config import Kernels
 from jaxllm.kv import cache as kvc
 from jaxllm.kv import quantized as kq
 from jaxllm.model import apply
@@ -117,10 +118,10 @@ def test_decode_steps_through_the_kernel_equal_the_xla_form(case, monkeypatch):
     toks = jax.random.randint(jax.random.key(1), (2, window + 11), 0, cfg.vocab_size)
 
     def run(form):
-        monkeypatch.setenv("JAXLLM_ATTENTION", form)
-        cache = kvc.init_cache(cfg, 2, sinks=2, window=window, dtype=dtype, kv_quant=kvq)
-        cache = apply(params, cfg, toks[:, :15], cache, jnp.array([15, 9], jnp.int32))[1]
-        step = jax.jit(lambda c, t: apply(params, cfg, t, c, jnp.ones((2,), jnp.int32)))
+        c = dataclasses.replace(cfg, kernels=Kernels(attention=form))
+        cache = kvc.init_cache(c, 2, sinks=2, window=window, dtype=dtype, kv_quant=kvq)
+        cache = apply(params, c, toks[:, :15], cache, jnp.array([15, 9], jnp.int32))[1]
+        step = jax.jit(lambda cc, t: apply(params, c, t, cc, jnp.ones((2,), jnp.int32)))
 
         def body(c, t):
             lg, c = step(c, t[:, None])
@@ -176,8 +177,8 @@ def test_decode_step_lowers_for_gpu_with_the_kernel(kv, monkeypatch):
     """A whole decode step of Llama-2-7B shapes (2 layers) on a 4 + 4092 cache at batch 8, as
     benchmarks/gpu_decode.py runs it, lowers for CUDA with the stored-format kernel in it
     (KIVI too: R = 32 does not divide 4092)."""
-    monkeypatch.setenv("JAXLLM_ATTENTION", "pallas")
-    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2)
+    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2,
+                              kernels=Kernels(attention="pallas"))
     kvq = {"bfloat16": None, "int8": kq.KVQuant("int8", 8),
            "kivi-2": kq.KVQuant("kivi", 2, 32, residual=32)}[kv]
     params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))

@@ -133,15 +133,19 @@ def test_int8_bmm(backend):
 
 
 def test_dispatcher(monkeypatch):
-    monkeypatch.delenv("JAXLLM_INT8_BACKEND", raising=False)
+    """By argument only: the environment is the CLI's default (jaxllm.config.Kernels.from_env),
+    never read at trace time."""
     expect = {"gpu": "triton", "tpu": "tpu", "cpu": "cpu"}.get(jax.default_backend(), "xla")
-    assert pk.resolve_backend() == expect  # CPUs: XLA's dot, or the VNNI kernel for few rows
-    assert pk.resolve_backend("tpu") == "tpu"
     monkeypatch.setenv("JAXLLM_INT8_BACKEND", "triton")
-    assert pk.resolve_backend() == "triton"
-    monkeypatch.setenv("JAXLLM_INT8_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="unknown INT8 backend 'cuda'.*JAXLLM_INT8_BACKEND"):
-        pk.resolve_backend()
+    assert pk.resolve_backend() == pk.resolve_backend("auto") == expect
+    assert pk.resolve_backend("tpu") == "tpu"
+    with pytest.raises(ValueError, match="unknown INT8 backend 'cuda'"):
+        pk.resolve_backend("cuda")
+    from jaxllm.config import Kernels
+    assert Kernels.from_env() == Kernels(int8="triton")
+    monkeypatch.setenv("JAXLLM_ATTENTION", "flash")
+    with pytest.raises(ValueError, match=r"unknown attention kernel 'flash'.*\$JAXLLM_ATTENTION"):
+        Kernels.from_env()
 
 
 # ---- compiled on a GPU (Triton lowering): `pytest -m gpu`, skipped elsewhere -------------------

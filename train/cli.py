@@ -20,6 +20,10 @@ def cmd_run(a) -> None:
                 raise ValueError(f"--mesh {a.mesh!r}: use e.g. data=2,fsdp=4")
             over.append(f"mesh_{k}={v}")
     cfg = recipe(a.preset, over)
+    import dataclasses
+
+    from jaxllm.config import Kernels  # the environment's kernel choice, read once here
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kernels=Kernels.from_env()))
     if a.print_config:
         print(json.dumps(cfg.to_dict(), indent=1))
         return

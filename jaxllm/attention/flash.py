@@ -12,8 +12,8 @@ One running state (max ``m``, sum ``l``, unnormalised output ``acc``) per query 
 segment in turn, so the result is the softmax over the concatenation of all of them: the same
 probabilities as :func:`reference`, which materialises the scores and is the test oracle.
 
-Forms, chosen by :func:`backend` (``$JAXLLM_ATTENTION``: ``auto`` | ``blockwise`` |
-``materialised`` | ``pallas``): the Pallas kernel on GPU and TPU
+Forms, chosen by :func:`backend` from a ModelConfig's ``kernels.attention`` (``auto`` |
+``blockwise`` | ``materialised`` | ``pallas``): the Pallas kernel on GPU and TPU
 (:mod:`pallas_kernels.flash`), the blockwise jnp form everywhere else; ``materialised`` is the
 reference, the way every forward attended before the blocks.
 """
@@ -31,9 +31,10 @@ from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels.common import NEG_INF
 
 from ..bits import widen
+from ..config import ATTENTION_KERNELS
 from ..rope import Rotation, apply_rope
 
-BACKENDS = ("auto", "blockwise", "materialised", "pallas")
+BACKENDS = ATTENTION_KERNELS
 
 # Elements of one block of scores (batch x heads x queries x keys, float32) the jnp form aims
 # for: 2^24 is 64 MiB, a few of which (scores, probabilities, mask) live at once. The tests set
@@ -94,13 +95,12 @@ class State(NamedTuple):
     acc: Float[Array, "b t h d"]  # running sum of exp(score - m) * value
 
 
-def backend(choice: Optional[str] = None) -> str:
-    """``choice`` or $JAXLLM_ATTENTION, ``auto`` resolved: pallas on GPU and TPU, blockwise
-    elsewhere."""
-    b = choice or os.environ.get("JAXLLM_ATTENTION", "auto")
+def backend(choice: str) -> str:
+    """The form ``choice`` names (a ModelConfig's ``kernels.attention``), ``auto`` resolved:
+    pallas on GPU and TPU, blockwise elsewhere."""
+    b = choice
     if b not in BACKENDS:
-        raise ValueError(f"unknown attention backend {b!r}; choose one of {', '.join(BACKENDS)} "
-                         f"(argument or $JAXLLM_ATTENTION)")
+        raise ValueError(f"unknown attention backend {b!r}; choose one of {', '.join(BACKENDS)}")
     if b == "auto":
         return "pallas" if jax.default_backend() in ("gpu", "tpu") else "blockwise"
     return b
@@ -120,7 +120,7 @@ def finish(state: State) -> Float[Array, "b t h d"]:
 
 
 def attend(segments: list[Segment], slopes: Optional[Float[Array, " h"]] = None,
-           zero_sink: bool = False, choice: Optional[str] = None, threaded: bool = False
+           zero_sink: bool = False, choice: str = "auto", threaded: bool = False
            ) -> tuple[Float[Array, "b t h d"], list[tuple[Array, Array]]]:
     """softmax over all segments' keys of q·k / sqrt(Dh) (- ALiBi's slope x distance), times the
     values -> (out [B, T, H, Dh] float32, every segment's (k, v) as it came out of the loops).

@@ -59,7 +59,7 @@ def usable(cfg: ModelConfig, ck, cv) -> bool:
     this model's head dim, and the attention kernel is chosen (jaxllm.attention.flash)."""
     if not (isinstance(ck, KiviKeys) and isinstance(cv, KiviValues)):
         return False
-    if flash.backend() != "pallas" or ck.spec.zero_point != "float":
+    if flash.backend(cfg.kernels.attention) != "pallas" or ck.spec.zero_point != "float":
         return False
     rope = cfg.pos_emb == "rope" and cfg.rotary_dim > 0
     if rope and cfg.rotary_dim != cfg.head_dim:

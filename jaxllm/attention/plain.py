@@ -21,7 +21,7 @@ class Plain(NamedTuple):
         """q [B, T, H, Dh], k, v [B, KVH, T, Dh] -> (out [B, T, H, Dh] float32, None, the
         probabilities [B, KVH, G, T, T] if ``keep_probs`` else None)."""
         pos = self.rot.pos
-        if keep_probs or int8_att is not None or flash.backend() == "materialised":
+        if keep_probs or int8_att is not None or flash.backend(cfg.kernels.attention) == "materialised":
             T = q.shape[1]
             mask = jnp.tril(jnp.ones((T, T), bool))[None] & sc.within_window(pos, pos, cfg)
             out, probs = sc.attend([sc.part_scores(q, self.rot, k, self.rot, cfg, int8_att)],
@@ -30,7 +30,8 @@ class Plain(NamedTuple):
         # Causal in token order = by position, since positions increase along the row.
         seg = flash.Segment(q, k, v, pos, pos, jnp.ones(pos.shape, bool),
                             cfg.sliding_window or None, self.rot, self.rot)
-        return flash.attend([seg], sc.model_slopes(cfg), cfg.sink == "zero")[0], None, None
+        return flash.attend([seg], sc.model_slopes(cfg), cfg.sink == "zero",
+                            cfg.kernels.attention)[0], None, None
 
 
 def plan(cfg: ModelConfig, B: int, T: int, freq,

@@ -49,7 +49,7 @@ class Ring(NamedTuple):
         k_ring, v_ring = stores.as_stored(ck, k), stores.as_stored(cv, v)
         C = lay.ring_k_pos.shape[1]
         ring_rot, chunk_rot = self.keys.part(0, C), self.keys.part(C, C + T)
-        if int8_att is not None or flash.backend() == "materialised":
+        if int8_att is not None or flash.backend(cfg.kernels.attention) == "materialised":
             ck, cv = stores.read(ck, lay), stores.read(cv, lay)
             scores = [sc.part_scores(q, self.q, ck, ring_rot, cfg, int8_att),
                       sc.part_scores(q, self.q, k_ring, chunk_rot, cfg, int8_att)]
@@ -80,7 +80,8 @@ class Ring(NamedTuple):
                                          kvc.merge_sinks(sink_v, v, lay, S), lay.sink_q_pos,
                                          self.k_sink.pos, lay.sink_ok, None, self.q_sink,
                                          self.k_sink))
-        out, kvs = flash.attend(segs, sc.model_slopes(cfg), cfg.sink == "zero", threaded=True)
+        out, kvs = flash.attend(segs, sc.model_slopes(cfg), cfg.sink == "zero",
+                                cfg.kernels.attention, threaded=True)
         # Written into the arrays the attention's loops hand back (flash.attend's note).
         ring_k, ring_v = kvs[-2]
         return out, (kvc.write_layer(stores.holding(layer_cache[0], ring_k), k_new, lay),

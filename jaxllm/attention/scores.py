@@ -2,7 +2,7 @@
 concatenation, then the values. Every forward attended this way before jaxllm.attention.flash;
 it stays for what needs the probabilities themselves (attention maps, H2O's accumulated scores,
 SmoothQuant's INT8 products, whose probabilities are quantized per query row) and as the
-blockwise form's oracle (``JAXLLM_ATTENTION=materialised``)."""
+blockwise form's oracle (``Kernels(attention="materialised")``)."""
 from __future__ import annotations
 
 import math

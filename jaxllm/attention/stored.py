@@ -9,7 +9,7 @@ precision, a handful), softmax-off-by-one's virtual key, and for KIVI the recent
 full precision and the step's own token (jaxllm.attention.kivi). The kernel's splits of the
 slots (flash-decoding) are merged with them by their maxima.
 
-Chosen where jaxllm.attention.flash chooses its kernel (``$JAXLLM_ATTENTION``, auto: GPU and
+Chosen where jaxllm.attention.flash chooses its kernel (``kernels.attention``, auto: GPU and
 TPU) for every store the kernel reads (:func:`usable`); the XLA form stays for the rest and on
 CPU. Tuning (blocks, splits) is in docs/KERNELS.md.
 """
@@ -37,7 +37,7 @@ BLOCK = 64  # slots per block (KIVI's keys: their group)
 def usable(cfg: ModelConfig, layer_k, layer_v, rotate_keys: bool) -> bool:
     """Whether a decode step over these layers goes to the kernel: the kernel backend is chosen
     and it reads both stores at this model's head dim (full rotary when it rotates keys)."""
-    if flash.backend() != "pallas":
+    if flash.backend(cfg.kernels.attention) != "pallas":
         return False
     kv, vv = stores.slots(layer_k), stores.slots(layer_v)
     if kv is None or vv is None:

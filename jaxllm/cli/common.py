@@ -200,6 +200,13 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
         cfg, params, tok = load_model(model, keep_quantized=keep_quantized)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(flag_names(e)) from None
+    # The kernels: the environment's choice (the CLI's default), read here once, part of every
+    # program's static configuration from here on.
+    from ..config import Kernels
+    try:
+        cfg = dataclasses.replace(cfg, kernels=Kernels.from_env())
+    except ValueError as e:
+        raise CliError(str(e)) from None
     n = sum(x.size for x in jax.tree.leaves(params))
     say(f"loaded {model} ({cfg.family}, {cfg.num_layers} layers, {n / 1e6:.0f}M weights) in "
         f"{time.perf_counter() - t0:.1f} s")

@@ -4,6 +4,7 @@ the cache-policy, KV and eviction flags, and the outputs every command writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -422,7 +423,6 @@ def _ignored(message) -> None:
 def _stored(a, cls):
     """The --kv-quant quantizer; without one, a method that quantizes its cache itself
     (Q-Hitter: per-token codes over the whole head, the authors' quantizer) with --kv-bits."""
-    import dataclasses
     if a.kv_quant != "none":
         return kv_quant(a)
     field = cls.__dataclass_fields__.get("storage")

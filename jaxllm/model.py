@@ -200,8 +200,9 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens, cache: Optional[kvc.KVCache], lay: Optional[kvc.ChunkLayout],
                  positions: Optional[Int[Array, "b t"]] = None,
-                 rows: Optional[Int[Array, "b k"]] = None):
-        """-> (logits [B, T, V] float32, or [B, K, V] at the positions ``rows`` [B, K] only;
+                 rows: Optional[Int[Array, "b k"]] = None, hidden: bool = False):
+        """-> (logits [B, T, V] float32, or [B, K, V] at the positions ``rows`` [B, K] only,
+        or with ``hidden`` the head's input [B, T, D] (:func:`head_logits` makes the logits);
         the new per-layer (keys, values, scores))."""
         cfg = self.cfg
         B, T = tokens.shape
@@ -256,6 +257,8 @@ class Transformer(nn.Module):
             x = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_final")(x)
         if cfg.embedding_dim != cfg.hidden_size:
             x = Linear(cfg.embedding_dim, False, cfg.init_std, dt, k8, name="project_out")(x)
+        if hidden:
+            return x, (tuple(new_k), tuple(new_v), tuple(new_s))
         if cfg.tie_embeddings:
             logits = embed.attend(x.astype(jnp.float32), cfg.vocab_size)
         else:
@@ -306,6 +309,18 @@ def _block_jit():
     return jax.jit(block, static_argnums=(0, 1, 2))
 
 
+def head_logits(params, cfg: ModelConfig, x: Float[Array, "... d"]) -> Float[Array, "... v"]:
+    """The output head on the head's input x (``apply(..., hidden=True)``): float32 logits,
+    computed as the model computes them (a tied head in float32, an untied one in the compute
+    dtype). Float weights only (training's)."""
+    if cfg.tie_embeddings:
+        return jnp.einsum("...d,vd->...v", x.astype(jnp.float32),
+                          params["embed"]["embedding"][:cfg.vocab_size])
+    dt = _dtype(cfg)
+    return jnp.einsum("...i,io->...o", x.astype(dt),
+                      params["lm_head"]["kernel"].astype(dt)).astype(jnp.float32)
+
+
 def block_apply(layer_params, cfg: ModelConfig, x: Float[Array, "b t d"], mutable=()):
     """One block of a plain causal forward on its input x (positions 0..T-1): the output, or
     ``(output, collections)`` with ``mutable`` (e.g. ``["inputs"]``: each linear's input)."""
@@ -339,7 +354,8 @@ def prefill_block(batch: int, window: int) -> int:
 
 def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
           cache: Optional[kvc.KVCache] = None, lens: Optional[Int[Array, " b"]] = None, *,
-          mutable=(), positions: Optional[Int[Array, "b t"]] = None, last_only: bool = False):
+          mutable=(), positions: Optional[Int[Array, "b t"]] = None, last_only: bool = False,
+          hidden: bool = False):
     """The model as a traceable function: ``(logits [B, T, V] float32, cache)``.
 
     The one way every module runs the model inside its own ``jit`` (generate's loop, ppl's
@@ -352,14 +368,16 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
     then ``(logits, None, state)``. ``positions`` [B, T] (plain forward only): each token's
     position id, increasing along the row (PoSE's skipped positions); default 0..T-1.
     ``last_only``: the logits of each row's last valid token only, [B, 1, V] (a prefill that
-    samples the next token needs no more).
+    samples the next token needs no more). ``hidden`` (plain forward, nothing collected): the
+    head's input [B, T, D] instead of the logits (a loss over a large vocabulary makes the
+    logits a piece at a time with :func:`head_logits`).
     """
     B, T = tokens.shape
     if cache is None:
         rows = jnp.full((B, 1), T - 1, jnp.int32) if last_only else None
         if not mutable:
             return Transformer(cfg).apply({"params": params}, tokens, None, None,
-                                          positions, rows)[0], None
+                                          positions, rows, hidden)[0], None
         (logits, _), state = Transformer(cfg).apply({"params": params}, tokens, None, None,
                                                     positions, rows, mutable=list(mutable))
         return logits, None, state

@@ -172,6 +172,25 @@ def test_pythia_recipe_schedule_and_weight_decay_mask():
     assert recipe("tiny", ["model.num_layers=3", "sink=learnable"]).model.sink == "learnable"
 
 
+@pytest.mark.parametrize("sink,tie", [("none", False), ("learnable", True)])
+def test_chunked_loss_equals_the_whole_logits_loss(sink, tie):
+    """The loss made a chunk of rows at a time (40 rows: a ragged last chunk) has the value and
+    the gradients of the log-softmax over the whole [tokens, vocabulary] logits, for an untied
+    head and a tied one (what it saves: benchmarks/train_memory.py)."""
+    import dataclasses as dc
+    from train.step import init_state, loss_fn
+    cfg = recipe("tiny", TINY + [f"sink={sink}", "dtype=float32"])
+    cfg = dc.replace(cfg, model=dc.replace(cfg.model, tie_embeddings=tie))
+    params = init_state(cfg, jax.random.key(0))["params"]
+    batch = jax.random.randint(jax.random.key(1), (4, 33), 0, 200)
+    whole, chunked = dc.replace(cfg, loss_chunk=0), dc.replace(cfg, loss_chunk=40)
+    l0, g0 = jax.value_and_grad(loss_fn)(params, whole, batch)
+    l1, g1 = jax.value_and_grad(loss_fn)(params, chunked, batch)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
 def test_learnable_sink_examples_never_target_the_sink():
     cfg = recipe("tiny", ["sink=learnable"])
     batch = jnp.arange(2 * 9).reshape(2, 9) % 200

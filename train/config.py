@@ -34,6 +34,10 @@ class TrainConfig:
     # copy of model.dtype: that is the saved model's compute dtype for inference, which the
     # evaluations run in (float32 for every recipe here), whatever the step computed in.
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # Rows (tokens) of logits made at once by the loss (train.step.chunked_cross_entropy): the
+    # [tokens, vocabulary] logits and their softmax exist a chunk at a time, forward and
+    # backward; 0: all at once.
+    loss_chunk: int = 2048
     seed: int = 0
     data: str = "builtin"  # see train.data.SOURCES
     tokenizer: str = "byte"

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
-from jaxllm.model import apply, init_params
+from jaxllm.model import apply, head_logits, init_params
 from jaxllm.positions import with_sink
 
 from .config import TrainConfig
@@ -32,12 +32,46 @@ def examples(cfg: TrainConfig, batch):
 
 
 def loss_fn(params, cfg: TrainConfig, batch) -> Float[Array, ""]:
-    """Mean next-token cross-entropy (nats) with compute in ``cfg.dtype``."""
+    """Mean next-token cross-entropy (nats) with compute in ``cfg.dtype``, the logits made
+    ``cfg.loss_chunk`` tokens at a time."""
     model_cfg = dataclasses.replace(cfg.model, dtype=cfg.dtype)
     inputs, targets, positions = examples(cfg, batch)
-    logits, _ = apply(params, model_cfg, inputs, positions=positions)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-    return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+    if not cfg.loss_chunk:
+        logits, _ = apply(params, model_cfg, inputs, positions=positions)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+        return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+    x, _ = apply(params, model_cfg, inputs, positions=positions, hidden=True)  # [b, L, d]
+    return chunked_cross_entropy(lambda h: head_logits(params, model_cfg, h),
+                                 x.reshape(-1, x.shape[-1]), targets.reshape(-1),
+                                 cfg.loss_chunk)
+
+
+def chunked_cross_entropy(head, x: Float[Array, "n d"], targets: Int[Array, " n"],
+                          chunk: int) -> Float[Array, ""]:
+    """mean(logsumexp(head(x)) - head(x)[target]) over the rows of x, ``chunk`` rows at a
+    time: each chunk's logits [chunk, V] are made, reduced and dropped, and made again in the
+    backward pass (jax.checkpoint), so neither pass holds the [n, V] logits or their softmax
+    (the linear-cross-entropy fusion of Liger-Kernel and of "Cut Your Losses in Large-Vocabulary
+    Language Models", Wijmans et al. 2024, here over rows). Padding rows of the last chunk are
+    weighted 0."""
+    n = x.shape[0]
+    c = min(chunk, n)
+    k = -(-n // c)
+    pad = k * c - n
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(k, c, x.shape[-1])
+    ts = jnp.pad(targets, (0, pad)).reshape(k, c)
+    ws = (jnp.arange(k * c) < n).reshape(k, c)
+
+    @jax.checkpoint
+    def one(total, piece):
+        h, t, w = piece
+        logits = head(h)  # [c, V] float32
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, t[:, None], -1)[:, 0]
+        return total + jnp.sum(jnp.where(w, lse - picked, 0.0)), None
+
+    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (xs, ts, ws))
+    return total / n
 
 
 def decay_mask(params):

@@ -242,7 +242,7 @@ def test_cli_decode_weights(tmp_path, capsys):
     q = quant.half_weights(params)
     jaxllm.save_model(str(tmp_path / "h"), cfg, q)
     assert main(["ppl", "--model", str(tmp_path / "h"), "--weights", "float16", "--quiet"]) == 2
-    assert "--weights float16: these params hold quantized" in capsys.readouterr().err
+    assert "--weights float16: these weights are quantized" in capsys.readouterr().err
 
 
 def test_misspelt_flags_and_commands_get_a_suggestion(capsys):

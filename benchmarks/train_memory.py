@@ -8,7 +8,7 @@ attention scores were still materialised. Compiled for this machine's
 backend: on a CPU the figure includes XLA:CPU's float32 copies of bfloat16 operands.
 
     python benchmarks/train_memory.py [--recipe pythia-160m] [--shapes 16x2048,8x2048]
-        [--loss-chunks 0,2048]
+        [--loss-chunks 0,2048] [--remat false,true]
 """
 from __future__ import annotations
 
@@ -46,19 +46,23 @@ def main() -> None:
     ap.add_argument("--shapes", default="16x2048", help="BATCHxSEQ_LEN, comma-separated")
     ap.add_argument("--loss-chunks", default="0,2048",
                     help="loss_chunk values (0: the whole [tokens, vocabulary] logits at once)")
+    ap.add_argument("--remat", default="false,true", help="remat values (true: recompute each "
+                    "block's activations in the backward pass)")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
-    rows = ["| batch x seq_len | grad_accum | loss_chunk | step memory (GiB) |",
-            "|---|---:|---:|---:|"]
+    rows = ["| batch x seq_len | grad_accum | loss_chunk | remat | step memory (GiB) |",
+            "|---|---:|---:|---|---:|"]
     for shape in a.shapes.split(","):
         B, T = (int(x) for x in shape.split("x"))
         for accum in (1, 4):
             for chunk in (int(c) for c in a.loss_chunks.split(",")):
-                cfg = recipe(a.recipe, [f"batch_size={B}", f"seq_len={T}",
-                                        f"grad_accum={accum}", f"loss_chunk={chunk}"])
-                gib = train_step_bytes(cfg) / 2 ** 30
-                rows.append(f"| {B} x {T} | {accum} | {chunk} | {gib:.1f} |")
-                print(rows[-1], flush=True)
+                for remat in a.remat.split(","):
+                    cfg = recipe(a.recipe, [f"batch_size={B}", f"seq_len={T}",
+                                            f"grad_accum={accum}", f"loss_chunk={chunk}",
+                                            f"remat={remat}"])
+                    gib = train_step_bytes(cfg) / 2 ** 30
+                    rows.append(f"| {B} x {T} | {accum} | {chunk} | {remat} | {gib:.1f} |")
+                    print(rows[-1], flush=True)
     record(f"Training step memory, {a.recipe} (XLA's compile-time count, "
            f"{jax.devices()[0].platform})", "\n".join(rows), dry=a.no_record)
 

@@ -168,8 +168,11 @@ class ModelConfig:
     # ``sink_id`` = vocab_size, put first in every training sample and every stream; "zero" is
     # softmax-off-by-one, e^{x_i} / (1 + sum_j e^{x_j}), a key and value of all zeros.
     sink: Literal["none", "learnable", "zero"] = "none"
-    # How the model's programs run, not what the model is (not saved; see Kernels).
+    # How the model's programs run, not what the model is (neither is saved): the kernels
+    # (see Kernels), and whether a gradient recomputes each block's activations in its
+    # backward pass instead of keeping them all from the forward (training's memory).
     kernels: Kernels = Kernels()
+    remat: bool = False
 
     def __post_init__(self):
         def choice(name, options):
@@ -271,11 +274,12 @@ class ModelConfig:
         """The architecture as JSON (the kernel choice is not part of it)."""
         d = dataclasses.asdict(self)
         d.pop("kernels")
+        d.pop("remat")
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)} - {"kernels"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"kernels", "remat"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; known: {sorted(known)}")

@@ -238,7 +238,7 @@ class Transformer(nn.Module):
         # build tracing and lowering the same block 30 times (docs/CPU.md, compile once).
         shared = not (self.is_initializing() or any(
             self.is_mutable_collection(c) for c in ("intermediates", "attention", "inputs")))
-        block_jit = _block_jit() if shared else None
+        block_jit = _block_jit(cfg.remat) if shared else None
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
                 cache.scores[layer:layer + 1]  # + the layer's evict.Scores if score-based
@@ -297,15 +297,18 @@ def _block_call(block_jit, cfg: ModelConfig, layer_params, x, layer_cache, plan)
     return block_jit(cfg, tdef, static, layer_params, x, arrays)
 
 
-def _block_jit():
+def _block_jit(remat: bool = False):
     """A jitted block made for one forward's trace: its layers share the one trace, and the
-    next forward traces afresh, so whatever a block reads while traced (a kernel chosen by
-    the environment, a size a test sets) is read again for every program, as unrolled."""
+    next forward traces afresh, so whatever a block reads while traced (a size a test sets)
+    is read again for every program, as unrolled. ``remat``: the block under jax.checkpoint,
+    so a gradient keeps only each block's input and recomputes the rest."""
     def block(cfg, tdef, static, layer_params, x, arrays):
         it = iter(arrays)
         leaves = [next(it) if v is _ARRAY else v for v in static.leaves]
         layer_cache, plan = jax.tree.unflatten(tdef, leaves)
         return Block(cfg).apply({"params": layer_params}, x, layer_cache, plan)
+    if remat:
+        block = jax.checkpoint(block, static_argnums=(0, 1, 2))
     return jax.jit(block, static_argnums=(0, 1, 2))
 
 

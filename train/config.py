@@ -38,6 +38,9 @@ class TrainConfig:
     # [tokens, vocabulary] logits and their softmax exist a chunk at a time, forward and
     # backward; 0: all at once.
     loss_chunk: int = 2048
+    # Recompute each block's activations in the backward pass (ModelConfig.remat): a step
+    # holds one block's activations instead of every layer's, for about a third more compute.
+    remat: bool = False
     seed: int = 0
     data: str = "builtin"  # see train.data.SOURCES
     tokenizer: str = "byte"

@@ -34,7 +34,7 @@ def examples(cfg: TrainConfig, batch):
 def loss_fn(params, cfg: TrainConfig, batch) -> Float[Array, ""]:
     """Mean next-token cross-entropy (nats) with compute in ``cfg.dtype``, the logits made
     ``cfg.loss_chunk`` tokens at a time."""
-    model_cfg = dataclasses.replace(cfg.model, dtype=cfg.dtype)
+    model_cfg = dataclasses.replace(cfg.model, dtype=cfg.dtype, remat=cfg.remat)
     inputs, targets, positions = examples(cfg, batch)
     if not cfg.loss_chunk:
         logits, _ = apply(params, model_cfg, inputs, positions=positions)

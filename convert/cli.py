@@ -48,7 +48,9 @@ def cmd_convert(a) -> None:
             cfg, params = from_gguf(a.gguf, progress=not a.quiet, dtype=jnp.dtype(a.dtype))
             tok = gguf_tokenizer(a.gguf)
         else:
+            from jaxllm.tokenizer import _confined_files
             from .hf import from_hf
+            _confined_files(a.hf)  # a tokenizer file leading outside: refused before converting
             cfg, params = from_hf(a.hf, allow_pickle=a.allow_pickle, progress=not a.quiet,
                                   dtype=jnp.dtype(a.dtype))
             tok = a.hf if has_tokenizer(a.hf) else None

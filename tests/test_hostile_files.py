@@ -126,7 +126,8 @@ def test_a_chat_template_without_limits_is_stopped_in_one_line(template, tmp_pat
 @pytest.mark.parametrize("leak", ["model.safetensors", "tokenizer.json"])
 def test_files_outside_a_hugging_face_directory_are_not_read(leak, tmp_path):
     """Causes 3 and 4: a weights or tokenizer file that is a symlink out of the directory is
-    refused by name; nothing is written, so nothing of the target is copied out."""
+    refused by name before any conversion (no progress bar drawn); nothing is written, so
+    nothing of the target is copied out."""
     d, secret = tmp_path / "m", tmp_path / "secret"
     d.mkdir()
     secret.mkdir()
@@ -149,7 +150,6 @@ def test_files_outside_a_hugging_face_directory_are_not_read(leak, tmp_path):
                   str(d / "model.safetensors"))
         target.write_text('{"private": "not a tokenizer"}')
     os.symlink(target, d / leak)
-    rc, err = _cli(["convert", "--hf", str(d), "--out", str(tmp_path / "out"), "--quiet"],
-                   tmp_path)
+    rc, err = _cli(["convert", "--hf", str(d), "--out", str(tmp_path / "out")], tmp_path)
     assert rc == 2 and "\n" not in err and f"{leak} leads outside the model directory" in err, err
     assert not (tmp_path / "out").exists()

@@ -450,6 +450,11 @@ def test_cli_run_and_plot(tmp_path, uninterrupted):
     out = subprocess.run(base + ["plot", f"sink={run}", "--out", png], cwd=ROOT,
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and os.path.getsize(png) > 1000
+    # This run logged no sink probes: --probes says how to get them, in one line.
+    out = subprocess.run(base + ["plot", run, "--probes", "--out", str(tmp_path / "p.png")],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2 and "logged no sink probes (train with --set sink_eval_every=N)" \
+        in out.stderr and out.stderr.strip().count("\n") == 0, out.stderr
     bad = subprocess.run(base + ["run", "--preset", "tiny", "--out", run, "--mesh", "data=x"],
                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "data=2,fsdp=4" in bad.stderr
@@ -711,3 +716,20 @@ def test_torn_metrics_and_damaged_run_files_are_one_line_or_skipped(uninterrupte
         f.write("[]")
     with pytest.raises(ValueError, match=r"train_config.json is not a JSON object"):
         train(cfg, run, progress=False)
+
+
+def test_sink_probes_are_logged_and_plotted(tmp_path):
+    """--set sink_eval_every=N logs the sink metric and window / StreamingLLM perplexity every
+    N steps; `python -m train plot --probes` draws them against training tokens."""
+    run = str(tmp_path / "probed")
+    train(recipe("tiny", TINY + ["sink_eval_every=6"]), run, progress=False)
+    probes = [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+              if "probe" in r]
+    assert [r["step"] for r in probes] == [6, 12]
+    assert all(0 <= r["probe"]["sink_metric"] <= 1 and r["probe"]["ppl_window"] > 1
+               for r in probes)
+    png = str(tmp_path / "probes.png")
+    out = subprocess.run([sys.executable, "-m", "train", "plot", f"tiny={run}", "--probes",
+                          "--out", png], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+    assert out.returncode == 0 and os.path.getsize(png) > 1000, out.stderr[-2000:]

@@ -79,14 +79,17 @@ def _report(out: str, s: dict) -> str:
 
 
 def cmd_plot(a) -> None:
-    from .plot import plot_loss_curves
+    from .plot import plot_loss_curves, plot_probes
     runs = {}
     for r in a.runs:
         label, sep, path = r.partition("=")
         runs[label if sep else r] = path if sep else r
     from jaxllm.outputs import check_file
     check_file(a.out, list(runs.values()))  # not into a run read, not over a foreign file
-    plot_loss_curves(runs, a.out, a.title)
+    if a.probes:
+        plot_probes(runs, a.out, a.title if a.title != "training loss" else "sink probes")
+    else:
+        plot_loss_curves(runs, a.out, a.title)
     print(f"wrote {a.out}")
 
 
@@ -134,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", help="run directories, optionally LABEL=DIR")
     p.add_argument("--out", default="loss.png", help="PNG to write")
     p.add_argument("--title", default="training loss", help="plot title")
+    p.add_argument("--probes", action="store_true",
+                   help="plot the runs' sink probes instead (sink metric and window / "
+                        "StreamingLLM perplexity against training tokens; runs trained with "
+                        "--set sink_eval_every=N)")
     p.set_defaults(fn=cmd_plot)
     return ap
 

@@ -34,7 +34,8 @@ def is_hf_dir(path: str) -> bool:
     """A directory whose config.json names a transformers ``model_type``."""
     try:
         with open(os.path.join(path, CONFIG)) as f:
-            return "model_type" in json.load(f)
+            cfg = json.load(f)
+        return isinstance(cfg, dict) and "model_type" in cfg  # ("model_type" in a string...)
     except (OSError, ValueError):
         return False
 

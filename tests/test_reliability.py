@@ -253,3 +253,21 @@ def test_a_tokenizer_smaller_than_the_vocabulary_is_warned_of(tmp_path, capsys):
     assert "its tokenizer has 264 tokens but the model 1,024" in err and err.count("\n") == 1
     load("embedded")
     assert "tokenizer" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["[]", '"a string"', '"model_type"', "[1, 2]", "null"])
+def test_a_config_that_is_not_an_object_is_one_line(tmp_path, text):
+    """config.json holding a list, a string or null (an AttributeError before): one line naming
+    the file, from the model loader and from the converter."""
+    import convert
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(text)
+    with pytest.raises(ValueError) as e:
+        jaxllm.load_model(str(d))
+    assert "config.json is neither a jaxllm config" in str(e.value) and "\n" not in str(e.value)
+    from safetensors.numpy import save_file
+    save_file({"x": np.zeros(1, np.float32)}, str(d / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        convert.from_hf(str(d))
+    assert "config.json" in str(e.value) and "\n" not in str(e.value), str(e.value)

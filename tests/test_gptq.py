@@ -27,21 +27,32 @@ def np_grid(w, bits, sym):
     return scale, zero
 
 
+def _np_dead_columns(W, H):
+    """Copies of W and H with dead inputs (H_jj = 0) given H_jj = 1 and zero weight."""
+    W, H = W.copy(), H.copy()
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    return W, H
+
+
+def _np_upper_inverse(H, damp):
+    """The upper Cholesky factor U of the dampened H's inverse (H⁻¹ = Uᵀ U)."""
+    H = H + damp * np.mean(np.diag(H)) * np.eye(len(H))
+    return np.linalg.cholesky(np.linalg.inv(H)).T
+
+
 def np_gptq(W, H, bits, G, sym, act_order, damp=0.01):
     """Algorithm 1 of the paper, one column at a time with the full update after each (no lazy
     batches), float64; groups fitted at their first column on the updated weights, or with
     act-order fixed up front per original group."""
-    W, H = W.copy(), H.copy()
+    W, H = _np_dead_columns(W, H)
     out, n = W.shape
     maxq = 2 ** bits - 1
-    dead = np.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
     fixed = [np_grid(W[:, g:g + G], bits, sym) for g in range(0, n, G)]
     perm = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(n)
     W, H = W[:, perm], H[perm][:, perm]
-    H += damp * np.mean(np.diag(H)) * np.eye(n)
-    U = np.linalg.cholesky(np.linalg.inv(H)).T
+    U = _np_upper_inverse(H, damp)
     codes = np.zeros((out, n))
     for j in range(n):
         if act_order or G == n:
@@ -87,14 +98,10 @@ def np_fasterquant(W, H, bits, G, B, damp=0.01):
     blocks of B columns, and a group's grid fitted at its first column on the full weight W,
     which takes the updates of earlier blocks only (W1, the block's working copy, takes the
     updates inside the block)."""
-    W, H = W.copy(), H.copy()
+    W, H = _np_dead_columns(W, H)
     out, n = W.shape
     maxq = 2 ** bits - 1
-    dead = np.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
-    H += damp * np.mean(np.diag(H)) * np.eye(n)
-    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T
+    Hinv = _np_upper_inverse(H, damp)
     codes = np.zeros((out, n))
     for i1 in range(0, n, B):
         i2 = min(i1 + B, n)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 from .confine import confined
 
@@ -120,6 +120,11 @@ class HFTokenizer:
         self.eos_id = tok.eos_token_id
 
     @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` that encodes (transformers' own, for a directory's)."""
+        return self._backend if self._backend is not None else self.tok.backend_tokenizer
+
+    @property
     def tok(self):
         """The transformers tokenizer."""
         if self._tok is None:
@@ -170,6 +175,31 @@ class HFTokenizer:
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=False)
         return self.tok.decode(ids)
+
+
+def encode_head(tok: Tokenizer, text: str, n: Optional[int]) -> tuple[list[int], bool]:
+    """The first ``n`` tokens of ``text`` (all of them when ``n`` is None) and whether the text
+    holds more, encoding only as much of the text as they need: ~1 s saved per 750 KB.
+
+    A prefix is cut after a line break and kept only when it yields ``n`` tokens and a margin
+    more: tokenizers split text into pieces (words, runs of spaces or punctuation) before they
+    merge, and no piece reaches back over a line, so the tokens before the cut's last line are
+    the whole text's (checked against whole-text encoding in tests/test_tokenizer.py)."""
+    if n is None:
+        return list(tok.encode(text)), False
+    chars = max(1 << 14, 8 * n)
+    while chars < len(text):
+        cut = text.rfind("\n", 0, chars) + 1
+        if cut > 0:
+            ids = tok.encode(text[:cut])
+            if len(ids) >= n + _MARGIN:
+                return list(ids[:n]), True
+        chars *= 2
+    ids = tok.encode(text)
+    return list(ids[:n]), len(ids) > n
+
+
+_MARGIN = 64  # tokens past the n kept: more than the last line's pieces can change
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -5,6 +5,7 @@ transformers Llamas, one per tensor type (K-quants as raw blocks), tied and unti
 query/key rows permuted as llama.cpp's converter does."""
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,6 +75,20 @@ def test_real_tokenizer_and_template_equal_transformers(real):
     assert tok.chat(msgs) == ref_tok.apply_chat_template(msgs, tokenize=False,
                                                          add_generation_prompt=True)
 
+
+
+def test_the_head_of_a_text_encodes_as_the_whole_text_does(real):
+    """ppl encodes only the prefix it scores (jaxllm.tokenizer.encode_head): its tokens must be
+    the whole text's, at cuts after runs of blank lines, trailing spaces and code."""
+    from jaxllm.corpus import builtin_corpus
+    from jaxllm.tokenizer import encode_head
+    tok = real[4]
+    lines = [TEXTS[i % len(TEXTS)] + " " * (i % 3) + "\n" * (1 + i % 4) for i in range(6000)]
+    for text in (builtin_corpus()[:400_000], "".join(lines)):
+        whole = tok.encode(text)
+        for n in (2, 1000, 4096, 9999, len(whole) - 10, len(whole), len(whole) + 5):
+            got, more = encode_head(tok, text, n)
+            assert (got, more) == (whole[:n], len(whole) > n), n
 
 # ---- small files written here -----------------------------------------------------------------
 
@@ -176,6 +191,58 @@ def test_small_files_read_as_transformers_reads_them(tmp_path, i, qtype):
         assert tok.encode(text) == ref_tok.encode(text, add_special_tokens=False)
     assert tok.encode("abZ8") == [63, 2 + 51, 2 + 60]
 
+
+
+def test_a_conversion_is_kept_and_read_back_as_converted(tmp_path, monkeypatch):
+    """convert.converted: a second load of a file reads its kept conversion (the same config,
+    weights, low-bit codes, tokenizer and template as converting again); a damaged entry is
+    converted again, a changed file is a new entry, JAXLLM_MODEL_CACHE=0 keeps none."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from convert import converted
+    from jaxllm import tree
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+        num_attention_heads=H, num_key_value_heads=KVH, tie_word_embeddings=True,
+        max_position_embeddings=128, rms_norm_eps=1e-5))
+    path = tmp_path / "tiny.gguf"
+    _write(path, model, QT.Q4_1, np.random.default_rng(3))
+    monkeypatch.setenv("JAXLLM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def same(a, b):
+        assert a[0] == b[0]
+        fa, fb = tree.flatten(a[1]), tree.flatten(b[1])
+        assert fa.keys() == fb.keys()
+        for k in fa:
+            for x, y in zip(jax.tree.leaves(fa[k]), jax.tree.leaves(fb[k])):
+                assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)), k
+            assert type(fa[k]) is type(fb[k])
+        assert a[2].encode("abc</s>ba") == b[2].encode("abc</s>ba")
+        msgs = [{"role": "user", "content": "ab"}]
+        assert a[2].chat(msgs) == b[2].chat(msgs) and a[2].eos_id == b[2].eos_id
+
+    kept = lambda: os.listdir(tmp_path / "cache" / "models")  # noqa: E731
+    for n, keep in enumerate((False, True)):
+        monkeypatch.setenv("JAXLLM_MODEL_CACHE", "0")
+        fresh = jaxllm.load_model(str(path), keep_quantized=keep)
+        assert n == 0 and not (tmp_path / "cache").exists() or len(kept()) == n
+        monkeypatch.delenv("JAXLLM_MODEL_CACHE")
+        where = converted.entry(str(path), keep)
+        first = jaxllm.load_model(str(path), keep_quantized=keep)
+        assert os.path.isdir(where)
+        same(first, fresh)
+        with monkeypatch.context() as m:  # read back: nothing converted
+            m.setattr(jg, "from_gguf", lambda *a, **k: pytest.fail("converted again"))
+            same(jaxllm.load_model(str(path), keep_quantized=keep), fresh)
+        with open(os.path.join(where, "model", "model.safetensors"), "r+b") as f:
+            f.truncate(100)  # damaged: converted again, the entry rewritten
+        same(jaxllm.load_model(str(path), keep_quantized=keep), fresh)
+        same(jaxllm.load_model(str(path), keep_quantized=keep), fresh)
+    assert len(kept()) == 2
+    _write(path, model, QT.Q8_0, np.random.default_rng(3))  # same path, other bytes
+    assert converted.entry(str(path), False) != where
+    assert jaxllm.load_model(str(path))[1]["layer_0"]["attn"]["q"]["kernel"].dtype == jnp.float32
 
 def test_convert_writes_a_model_directory_with_tokenizer_and_template(tmp_path, capsys):
     """jaxllm convert --gguf: the directory gives the file's logits, ids and chat template."""

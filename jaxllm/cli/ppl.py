@@ -45,17 +45,17 @@ def _max_tokens(text: str):
 def cmd_ppl(a) -> None:
     from ..corpus import builtin_corpus
     from ..ppl import plot_nll, run_ppl
+    from ..tokenizer import encode_head
     pc = policy(a)
     text = read_text(a.text) if a.text else builtin_corpus()
     srcs = sources(a.model) + ([a.text] if a.text else [])
     check_files({"--json": a.json, "--plot": a.plot}, srcs)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
-    ids = tok.encode(text)
-    if a.max_tokens is not None and len(ids) > a.max_tokens:
-        if not a.quiet:
-            print(f"scoring the first {a.max_tokens:,} of the text's {len(ids):,} tokens "
-                  f"(--max-tokens all scores it all)", file=sys.stderr)
-        ids = ids[:a.max_tokens]
+    ids, more = encode_head(tok, text, a.max_tokens)
+    if more and not a.quiet:
+        print(f"scoring the text's first {a.max_tokens:,} tokens, of its "
+              f"{len(text.encode('utf-8')) / 1024:,.0f} KiB (--max-tokens all scores it all)",
+              file=sys.stderr)
     if len(ids) < 2:
         raise CliError("the text has fewer than 2 tokens: nothing to score")
     check_streamable(cfg, pc, len(ids))

@@ -354,10 +354,19 @@ def gguf_tokenizer(path: str, reader=None):
 
 
 def load(path: str, keep_quantized: bool = False):
-    """The reader's load: ``(cfg, params, tokenizer)``, the file opened once."""
+    """The reader's load: ``(cfg, params, tokenizer)``, the file opened once, or its conversion
+    read back from the user's cache (convert.converted) when one was kept."""
+    from . import converted
+    where = converted.entry(path, keep_quantized)
+    hit = where and converted.read(where, path, lambda: tokenizer_from_gguf(path))
+    if hit:
+        return hit
     reader = _reader(path)
     cfg, params = from_gguf(path, keep_quantized=keep_quantized, reader=reader)
-    return cfg, params, gguf_tokenizer(path, reader)
+    tok = gguf_tokenizer(path, reader)
+    if where:
+        converted.write(where, cfg, params, tok)
+    return cfg, params, tok
 
 
 # What lets jaxllm.load_model read a GGUF file: registered under the "jaxllm.model_readers"

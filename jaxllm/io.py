@@ -46,29 +46,17 @@ def _model_entry(name: str) -> bool:
     return name in _OURS or bool(_SHARD.match(name))
 
 
-def _legacy_model_dir(path: str) -> bool:
-    """A jaxllm model directory from before the marker: a jaxllm config.json and nothing but a
-    model's files."""
-    try:
-        with open(os.path.join(path, CONFIG)) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and "model" in meta and "format" in meta and all(
-        _model_entry(e) for e in os.listdir(path))
-
-
 def check_output_dir(path: str, overwrite: bool = False, sources=()) -> None:
     """Refuse a model output directory whose replacement would lose data
     (jaxllm.outputs.check_output_dir: a file, a directory jaxllm did not write or holding
     files that are not a model's, a model written earlier unless ``overwrite``, a path that
     overlaps ``sources``)."""
-    outputs.check_output_dir(path, overwrite, sources, _model_entry, _legacy_model_dir)
+    outputs.check_output_dir(path, overwrite, sources, _model_entry)
 
 
 def atomic_dir(path: str, overwrite: bool = False, sources=()):
     """jaxllm.outputs.atomic_dir for a model directory."""
-    return outputs.atomic_dir(path, overwrite, sources, _model_entry, _legacy_model_dir)
+    return outputs.atomic_dir(path, overwrite, sources, _model_entry)
 
 
 def save_model(path: str, cfg: ModelConfig, params, tokenizer: Optional[str] = "byte",

@@ -253,10 +253,9 @@ def foreign_entries(path: str, ours: Callable[[str], bool]) -> list:
 
 def check_output_dir(path: str, overwrite: bool = False, sources=(),
                      ours: Callable[[str], bool] = lambda name: False,
-                     legacy: Callable[[str], bool] = lambda path: False,
                      what: str = "a model") -> None:
     """Refuse an output directory whose replacement would lose data: a file, a non-empty
-    directory jaxllm did not write (the marker, or ``legacy(path)`` for ours from before it),
+    directory jaxllm did not write (no marker),
     one holding entries that are not ``ours`` (a file the user put in a model directory), a
     directory written earlier (unless ``overwrite``), or one that overlaps ``sources``."""
     check_not_a_source(path, sources)
@@ -269,7 +268,7 @@ def check_output_dir(path: str, overwrite: bool = False, sources=(),
     if not entries:
         return
     shown = lambda names: ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")  # noqa
-    if MARKER in entries or legacy(path):
+    if MARKER in entries:
         foreign = foreign_entries(path, ours)
         if foreign:
             raise OutputError(f"{path} holds {what} written by jaxllm and files that are not "
@@ -360,15 +359,14 @@ def _undo_or_remove(parent: str, target: str, kind: str, full: str) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: str, overwrite: bool = False, sources=(),
-               ours: Callable[[str], bool] = lambda name: False,
-               legacy: Callable[[str], bool] = lambda path: False, what: str = "a model"):
+               ours: Callable[[str], bool] = lambda name: False, what: str = "a model"):
     """Yield a temporary directory next to ``path``; on success it replaces ``path`` (the old
     one is deleted only after the rename, and only when it still holds nothing but its own
     entries), on failure it is removed and ``path`` is untouched.
 
     ``path`` is checked by :func:`check_output_dir` first. The temporary directory is named
     ``.NAME.jaxllm-partial-PID-*``; those of killed writers are removed on the next write."""
-    check_output_dir(path, overwrite, sources, ours, legacy, what)
+    check_output_dir(path, overwrite, sources, ours, what)
     path = os.path.abspath(path)
     parent = _make_parent(path)
     _clean_stale(parent)
@@ -379,10 +377,10 @@ def atomic_dir(path: str, overwrite: bool = False, sources=(),
             with open(os.path.join(tmp, MARKER), "w") as f:
                 f.write("written by jaxllm; `--overwrite` may replace this directory\n")
             _as_umask_allows(tmp)
-        _into_place(tmp, path, parent, name, ours, legacy)
+        _into_place(tmp, path, parent, name, ours)
 
 
-def _into_place(tmp: str, path: str, parent: str, name: str, ours, legacy) -> None:
+def _into_place(tmp: str, path: str, parent: str, name: str, ours) -> None:
     """Rename the finished ``tmp`` to ``path``; an existing output of ours is moved aside into
     a locked ``old`` temporary first and deleted after (restored by the next write's
     :func:`_clean_stale` if this process dies between the renames)."""
@@ -390,8 +388,7 @@ def _into_place(tmp: str, path: str, parent: str, name: str, ours, legacy) -> No
         # Again, now: files may have appeared while we wrote (another process, the user).
         appeared = (not os.path.isdir(path) or os.path.islink(path)
                     or (os.listdir(path) and not (
-                        (MARKER in os.listdir(path) or legacy(path))
-                        and not foreign_entries(path, ours))))
+                        MARKER in os.listdir(path) and not foreign_entries(path, ours))))
         if appeared:
             kept = _keep_beside(tmp, path)
             raise OutputError(f"{path} changed while jaxllm wrote it (it now holds files that "

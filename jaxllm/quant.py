@@ -37,7 +37,7 @@ class QKernel:
     ``act="none"``: :func:`decode_weights`).
 
     ``q`` is stored K-major ([out, in], the transpose of the float kernel): the layout int8 GEMMs
-    want (Hopper's wgmma requires it; XLA on this CPU runs it 3x faster than [in, out]).
+    want (Hopper's wgmma requires it; XLA:CPU runs it faster than [in, out]: docs/CPU.md).
 
     ``act``: how the input is quantized — ``token`` (dynamic, per row), ``tensor`` (dynamic, per
     call), ``static`` (the calibrated ``act_scale``), ``none`` (weight-only: dequantize and multiply
@@ -262,8 +262,6 @@ def from_plain(plain: dict, spec: dict) -> dict:
     """Inverse of :func:`to_plain`."""
     flat = tree.flatten(plain)
     for path, s in spec.items():
-        if path.endswith("/bmm"):  # INT8 attention's marker before it was named int8_attention
-            path = path[:-len("bmm")] + "int8_attention"
         if s.get("kind") == "attention":
             flat[path] = QAttention(real=s["real"])
             continue

@@ -257,8 +257,6 @@ def test_bad_input_errors():
         jaxllm.init_cache(cfg, 1, sinks=4, window=0)
     with pytest.raises(ValueError, match="sinks must be a non-negative"):
         jaxllm.init_cache(cfg, 1, sinks=-1, window=8)
-    with pytest.raises(TypeError, match="evict= is now ring=: ring=True"):
-        jaxllm.init_cache(cfg, 1, sinks=0, window=8, evict=False)
     with pytest.raises(ValueError, match="batch 2 but the cache was made for batch 1"):
         jaxllm.forward(params, cfg, np.zeros((2, 3), np.int32), jaxllm.init_cache(cfg, 1, 0, 8))
     with pytest.raises(ValueError, match=r"lengths must lie in \[0, 3\]"):

@@ -59,7 +59,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from ..config import ModelConfig
-from .evict import Evict, empty_scores
+from .evict import KIVI_BREAKS, Evict, empty_scores
 from ..bits import to_bits
 from . import stores
 from .kivi import empty_kivi
@@ -157,8 +157,8 @@ def _as_int(x, name: str) -> int:
 
 def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020, *,
                ring: bool = True, dtype=jnp.float32,
-               kv_quant: Optional[KVQuant] = None, evict_by: Optional[Evict] = None,
-               **renamed) -> KVCache:
+               kv_quant: Optional[KVQuant] = None, evict_by: Optional[Evict] = None
+               ) -> KVCache:
     """An empty cache of ``sinks + window`` slots per row.
 
     ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
@@ -171,16 +171,11 @@ def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020,
     window is then ``heavy + recent + 1`` (the extra slot takes each new token) and ``window``
     is ignored.
     """
-    if "evict" in renamed:
-        raise TypeError("init_cache's evict= is now ring=: ring=True (the default) keeps a "
-                        "ring (StreamingLLM, window), ring=False a dense cache")
-    if renamed:
-        raise TypeError(f"init_cache() got unexpected keyword arguments {sorted(renamed)}")
     if evict_by is not None:
         window = evict_by.heavy + evict_by.recent + 1
         if kv_quant is not None and kv_quant.format == "kivi":
-            raise ValueError("KIVI's key blocks follow a ring's order, which score-based eviction "
-                             "breaks: use --kv-quant token or int8 with h2o/qhitter")
+            raise ValueError(f"{KIVI_BREAKS}: store keys and values as KVQuant('token') or "
+                             f"KVQuant('int8') with H2O or Q-Hitter")
     batch, sinks, window = (_as_int(x, n) for x, n in ((batch, "batch"), (sinks, "sinks"),
                                                          (window, "window")))
     if batch < 1:

@@ -48,6 +48,9 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+# Why KIVI's store and score-based eviction do not mix (refused by the policy and the cache).
+KIVI_BREAKS = "KIVI's key blocks follow a ring's order, which score-based eviction breaks"
+
 METHODS = ("h2o", "qhitter")
 
 

@@ -8,13 +8,13 @@ or fractions in (0, 1) of the text or prompt, made counts by :meth:`H2O.resolve`
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar, Optional
 
 from ..argtypes import is_budget
 from ..config import ModelConfig
 from ..errors import P, SettingError
 from ..kv.cache import KVCache, init_cache
-from ..kv.evict import Evict
+from ..kv.evict import KIVI_BREAKS, Evict
 from ..kv.quantized import KVQuant
 from .base import CachePolicy, KVStorage, setting
 
@@ -38,16 +38,16 @@ class H2O(CachePolicy):
     title = "H2O"
     stepwise = True  # decides after every token
     share = 0.5  # of the non-sink slots, heavy hitters' when no budget is given
+    budgets: ClassVar[tuple] = ("heavy", "recent")  # the settings that may be fractions
 
     def __post_init__(self):
-        for name in ("heavy", "recent", "heavy_attn"):
-            x = getattr(self, name, None)
+        for name in self.budgets:
+            x = getattr(self, name)
             if x is not None and not is_budget(x):
                 raise SettingError(f"{getattr(P, name)} must be a count (an integer >= 0) or a "
                                    f"fraction of the text in (0, 1), got {x}")
         if self.storage.quant.format == "kivi":
-            raise SettingError(f"KIVI's key blocks follow a ring's order, which score-based "
-                               f"eviction breaks: use {P.kv_quant} token or int8 with "
+            raise SettingError(f"{KIVI_BREAKS}: use {P.kv_quant} token or int8 with "
                                f"{self.name}")
         self._check_slots()
         if not self.is_fraction:
@@ -56,10 +56,8 @@ class H2O(CachePolicy):
     @property
     def is_fraction(self) -> bool:
         """Budgets given as fractions of the text (resolve() turns them into counts)."""
-        return any(x is not None and x != int(x) for x in self._budgets())
-
-    def _budgets(self) -> tuple:
-        return self.heavy, self.recent
+        return any(x is not None and x != int(x) for x in
+                   (getattr(self, f) for f in self.budgets))
 
     def resolve(self, n_tokens: int) -> "H2O":
         """Fractional budgets as counts for a text or prompt of ``n_tokens`` (the authors'
@@ -68,8 +66,7 @@ class H2O(CachePolicy):
             return self
         count = lambda x: None if x is None else int(x) if x >= 1 or x == 0 else \
             int(x * n_tokens)  # noqa: E731
-        counts = {f: count(getattr(self, f)) for f in ("heavy", "recent", "heavy_attn")
-                  if hasattr(self, f)}
+        counts = {f: count(getattr(self, f)) for f in self.budgets}
         heavy, recent = counts["heavy"], counts["recent"]
         counts["recent"] = recent = None if recent is None else max(recent, 1)
         cache = self.cache if heavy is None or recent is None else \
@@ -110,9 +107,12 @@ class H2O(CachePolicy):
             label = f"{self.title} {self.sinks}+{pct(self.heavy)}+{pct(self.recent)}"
         else:
             e = self.evict_spec()
-            label = f"{self.title} {self.sinks}+{e.heavy}+{e.recent}" + (
-                f" (λ {e.lam:g}, {e.attn_only} by attention)" if e.method == "qhitter" else "")
+            label = f"{self.title} {self.sinks}+{e.heavy}+{e.recent}" + self._detail(e)
         return label + self.storage.describe()
+
+    def _detail(self, e: Evict) -> str:
+        """What the label adds to the budgets."""
+        return ""
 
     def make_cache(self, cfg: ModelConfig, batch: int, n_tokens: int, dtype=None) -> KVCache:
         return init_cache(cfg, batch, sinks=self.sinks, dtype=self._dtype(dtype),
@@ -136,14 +136,15 @@ class QHitter(H2O):
     name = "qhitter"
     title = "Q-Hitter"
     share = 0.75
+    budgets: ClassVar[tuple] = ("heavy", "recent", "heavy_attn")
 
     def __post_init__(self):
         if not 0.0 <= self.lam <= 1.0:
             raise SettingError(f"{P.lam} must lie in [0, 1], got {self.lam}")
         super().__post_init__()
 
-    def _budgets(self) -> tuple:
-        return self.heavy, self.recent, self.heavy_attn
+    def _detail(self, e: Evict) -> str:
+        return f" (λ {e.lam:g}, {e.attn_only} by attention)"
 
     def evict_spec(self) -> Evict:
         heavy, recent = self._split()

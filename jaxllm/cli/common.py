@@ -163,9 +163,8 @@ def _all_finite(xs):
 
 
 WEIGHTS_HELP = ("weights as stored, or kept [out, in] for decoding in float32, bfloat16 or "
-                "float16 (quant.decode_weights; on a CPU, Pythia-160M batch-1 decode: "
-                "float32 1.14-1.29x, bfloat16 1.4-2.1x the stored float32's; float32 at batch 1 is "
-                "slower for layers over 3,072 wide; float16 at batch 8 is slower than float32)")
+                "float16 (quant.decode_weights; what each costs and saves on a CPU: "
+                "docs/CPU.md, \"Weights for decoding\")")
 
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
@@ -277,14 +276,12 @@ def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
     from ..policy import KV_DTYPES
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
                    help="the KV cache's float dtype (default float32; a quantized cache's "
-                        "sinks): bfloat16 halves "
-                        "its bytes; on a CPU, Pythia-160M decodes with a bfloat16 cache and "
-                        "bfloat16 weights at 1.1-2.2x float32's speed (docs/BENCHMARKS.md)")
+                        "sinks): bfloat16 halves its bytes (its speed: docs/BENCHMARKS.md)")
 
 
 def add_kv_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-quant", default="none", choices=["none", "int8", "token", "kivi"],
-                   help=KV_HELP)
+    from ..kv.quantized import FORMATS
+    p.add_argument("--kv-quant", default="none", choices=FORMATS, help=KV_HELP)
     p.add_argument("--kv-bits", type=integer(1, 8), default=4,
                    help="bits per code: 2, 3, 4 or 8 (token), 2, 4 or 8 (kivi)")
     p.add_argument("--kv-group", type=SIZE, default=16,

@@ -36,10 +36,9 @@ def in_widened_groups(fn, narrow, *batched: Array) -> Array:
     ``narrow`` arrays (bfloat16 bits, float16) are widened a group of rows at a time, each
     array's float32 copy of the group at most WIDEN_BYTES, one group per iteration of a loop,
     with the same rows of ``batched``: XLA:CPU then widens into one small buffer instead of the
-    whole array into new memory. A float16 KV cache's values product at 4,096 slots, batch 8:
-    35 ms a layer widened whole, 2.5 in groups (float32 4.2). Exact either way: the same float32
-    products of the same widened values (when the group size does not divide the rows, the
-    last group overlaps the one before and writes the same values again)."""
+    whole array into new memory (docs/CPU.md, "bfloat16 on a CPU"). Exact either way: the same
+    float32 products of the same widened values (when the group size does not divide the rows,
+    the last group overlaps the one before and writes the same values again)."""
     narrows = narrow if isinstance(narrow, tuple) else (narrow,)
     N = narrows[0].shape[0]
     g = min(N, max(1, WIDEN_BYTES // (max(a[0].size for a in narrows) * 4)))

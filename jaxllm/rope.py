@@ -107,8 +107,8 @@ def apply_rope(x: Float[Array, "b t n h"], rot: Rotation, head_major: bool = Fal
     rotary_dim = 2 * rot.cos.shape[-1]
     xf = x.astype(jnp.float32)
     if rot.cos.ndim == x.ndim:  # per-head tables (score-based eviction): rotate the two halves
-        # with the [.., r/2] tables as they are; the same products as below, bit for bit. (For
-        # per-head tables this is 1.4x faster on XLA:CPU; for shared ones, 1.5x slower.)
+        # with the [.., r/2] tables as they are; the same products as below, bit for bit (faster
+        # on XLA:CPU for per-head tables, slower for shared ones: docs/CPU.md, "RoPE").
         half = rotary_dim // 2
         a, b, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
         out = jnp.concatenate([a * rot.cos - b * rot.sin, b * rot.cos + a * rot.sin, rest], -1)

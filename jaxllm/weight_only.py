@@ -21,9 +21,9 @@ def loop_weights(params, step: Array):
     XLA's loop-invariant code motion moves any op whose operands do not change across
     iterations out of the loop. Left alone, it moves the widening of int8 or bfloat16 weights to
     float32 out of the decode loop: the loop then reads a float32 copy of every weight (4x W8's
-    bytes) and that copy sits in memory for the whole loop. Measured on Pythia-160M W8, batch 1:
-    25.6 ms a token in ``generate`` against 8.9 ms a step outside a loop; tied, 9.5 ms. A barrier
-    over the weights alone does not hold: it is invariant too, and moves with them.
+    bytes) and that copy sits in memory for the whole loop (measured: docs/CPU.md, "Weight-only
+    products"). A barrier over the weights alone does not hold: it is invariant too, and moves
+    with them.
     """
     return jax.lax.optimization_barrier((params, step))
 
@@ -34,8 +34,7 @@ def loop_weights(params, step: Array):
 REDUCE_ROWS = 32
 MANY_ROWS = 64
 # XLA:CPU fuses the weight's conversion into a one-row product only up to this input width
-# (measured: 3,072 fused, 4,096 not; the unfused form writes the whole float weight each call,
-# 15-17x slower than float32 at Llama-7B shapes).
+# (3,072 fused, 4,096 not; the unfused form writes the whole float weight each call).
 VECMAT_MAX_IN = 3072
 
 
@@ -76,16 +75,13 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
         x2 = computed_once(x2)
         if m == 1 and n_in <= VECMAT_MAX_IN:
             # One row: a vector-matrix product, which XLA:CPU emits as a loop fusion that takes
-            # the conversion in (Pythia-160M's head: 2.0 ms for int8, 3.1 for bfloat16, 6.9 for
-            # float32; docs/BENCHMARKS.md, "Weight-only products").
+            # the conversion in.
             y = x2 @ q.astype(compute).T
         else:
             # Several rows (or a wide input): an elementwise product summed over the input's
-            # minor dimension, one loop that reads each weight row once for all the rows (head,
-            # 8 rows: 7.6 ms for int8, 9.0 for bfloat16, 14 for float32's GEMM; Llama-7B's MLP,
-            # one row: 5.4 for int8, 6.2 for bfloat16). Past 32 rows XLA stops fusing it, so
-            # groups of 32; one row is padded to two, as XLA turns a one-row reduction back into
-            # the unfused dot.
+            # minor dimension, one loop that reads each weight row once for all the rows. Past
+            # 32 rows XLA stops fusing it, so groups of 32; one row is padded to two, as XLA
+            # turns a one-row reduction back into the unfused dot.
             def rows_product(xg):  # [g, in] -> [g, out]
                 # Two barriers, each against a rewrite that would materialise the [out, g, in]
                 # product: tying the input to its own weight keeps q, k and v (which share an
@@ -98,9 +94,9 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
                 y = rows_product(jnp.concatenate([x2, x2]))[:1]
             elif q.dtype == jnp.float16:
                 # XLA:CPU converts float16 element by element, so the fused loop paid one
-                # conversion per weight and row (Pythia-160M's head, 8 rows: 50 ms); widened a
-                # block of output rows at a time into a small float32 buffer it is one GEMM per
-                # block (9.2 ms; int8 and bfloat16 weights do better in the fused loop).
+                # conversion per weight and row; widened a block of output rows at a time into a
+                # small float32 buffer it is one GEMM per block (int8 and bfloat16 weights do
+                # better in the fused loop).
                 y = in_widened_groups(lambda w: w @ x2.T, q).T
             else:
                 y = jnp.concatenate([rows_product(x2[g:g + REDUCE_ROWS])

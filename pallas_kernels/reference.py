@@ -39,8 +39,8 @@ def int8_einsum(eq: str, a: Int8[Array, "..."], b: Int8[Array, "..."]) -> Int[Ar
 
 def computed_once(x: Array) -> Array:
     """``x``, materialised as one array. XLA:CPU fuses elementwise producers into each consumer,
-    where they are then evaluated per consumed element: cos and sin per gathered key element (per
-    layer: 2.5x the H2O decode step at 4,096 slots), a LayerNorm or a quantizer per weight
+    where they are then evaluated per consumed element: cos and sin per gathered key element, a
+    LayerNorm or a quantizer per weight
     element of a vector-matrix product. It drops optimization barriers before fusion, but never
     fuses a reduction into a consumer."""
     return jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
@@ -56,12 +56,12 @@ def int8_matmul(x: Int8[Array, "m k"], w: Int8[Array, "n k"]) -> Int[Array, "m n
     M, K = x.shape
     if M == 1 and K <= EXACT_F32_K and jax.default_backend() == "cpu":
         # One row on CPU: XLA emits x @ w.T as a loop fusion that converts the int8 weight as it
-        # reads it (Pythia-160M's head: 2.3 ms, against 3.6 for the padded int8 GEMM), and the
-        # float32 sums are exact (EXACT_F32_K). The row is materialised first, or its quantizer
+        # reads it, faster than the padded int8 GEMM, and the float32 sums are exact
+        # (EXACT_F32_K). The row is materialised first, or its quantizer
         # would be fused in and recomputed per output.
         xf = computed_once(x.astype(jnp.float32))
         return (xf @ w.astype(jnp.float32).T).astype(jnp.int32)
-    if M == 1:  # XLA's CPU int8 GEMV is ~30x slower than a two-row GEMM: pad one zero row
+    if M == 1:  # XLA:CPU's int8 one-row product is far slower than a two-row one: pad a row
         x = jnp.concatenate([x, jnp.zeros_like(x)])
     return int8_einsum("mk,nk->mn", x, w)[:M]
 

@@ -138,8 +138,7 @@ def attend_cache(q, k, v, plan: "Decode", cfg: ModelConfig,
     def by_kernel(k, v, qm):
         # The CPU kernel (pallas_kernels/csrc/decode_attention.cc): each head's keys and values
         # read once, 2-byte ones widened in registers, each slot scored against the one
-        # rotation it keeps. Pythia-160M's layer at 4,096 slots: 0.4 ms against 1.2 (float32)
-        # and 3.5 (bfloat16); docs/BENCHMARKS.md, "KV cache passes".
+        # rotation it keeps (its speed: docs/BENCHMARKS.md, "KV cache passes").
         pick = jnp.where(mask, plan.pick if R > 1 else 0, -1)
         return pallas_kernels.cpu.decode_attention(
             k, v, qm, pick, G, dist=plan.dist if alibi else None,
@@ -164,14 +163,12 @@ def _attend_xla(k, v, qm, plan: "Decode", mask, slopes, R: int, cfg: ModelConfig
     # Scores, softmax and values for a few heads at a time, in one pass: a 2-byte cache is
     # widened a group of heads at a time (bits.in_widened_groups), keys and values together,
     # and no [B * KVH, C] scores array lives between two loops. As two loops (scores, then
-    # values) each layer's scores were a loop's output, which XLA:CPU gave its own memory:
-    # 77 MiB of temporaries a step at 4+4092, batch 8, mapped fresh each step (21,500 page
-    # faults); in one pass, 5 MiB.
+    # values) each layer's scores were a loop's output, which XLA:CPU gave its own memory,
+    # mapped fresh each step.
     #
     # The keys are the left operand and the query rows are padded to a multiple of 4: XLA:CPU
-    # hands a product of several query rows to YNNPACK, which took 2.7 ms per layer for 3 rows
-    # at 4096 slots and 1.2 in this form (Pythia-160M, 4+4092, batch 1: 64 ms a step against
-    # 45-50, and 42 for one row alone, which would be wrong).
+    # hands a product of several query rows to YNNPACK, which is slower at these shapes
+    # (docs/CPU.md, "Decode attention in XLA").
     qm = jnp.pad(qm, ((0, 0), (0, -rows % 4 if rows > 1 else 0), (0, 0)))
 
     def by_head(a):  # [B, ...] -> [B * KVH, ...], row b * KVH + h

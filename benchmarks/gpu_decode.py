@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _profile import profiled  # noqa: E402
 from _record import record, time_generate  # noqa: E402
 
 import jax  # noqa: E402
@@ -94,8 +95,10 @@ def step_temp_bytes(cfg, params, cache) -> int:
                       ).compile().memory_analysis().temp_size_in_bytes
 
 
-def jaxllm_row(cfg, params, kv: KVQuant, B: int, sinks: int, window: int, steps: int) -> dict:
-    """Prefill a full ring, then decode ``steps`` tokens per row."""
+def jaxllm_row(cfg, params, kv: KVQuant, B: int, sinks: int, window: int, steps: int,
+               profile: str = "", title: str = "") -> dict:
+    """Prefill a full ring, then decode ``steps`` tokens per row; ``profile``: a markdown file
+    to which one more decode call, traced, adds its top ops under ``title`` (_profile)."""
     kv = fit(kv, cfg.head_dim)
     cache = jaxllm.init_cache(cfg, B, sinks=sinks, window=window, dtype=jnp.bfloat16,
                               kv_quant=kv if kv.enabled else None)
@@ -111,6 +114,11 @@ def jaxllm_row(cfg, params, kv: KVQuant, B: int, sinks: int, window: int, steps:
     jax.block_until_ready((logits, cache))
     prefill_ms = (time.perf_counter() - t0) * 1e3
     decode_ms, cache = time_generate(params, cfg, cache, steps)
+    if profile:
+        with profiled(profile, title, per=steps + 1):
+            cache = jaxllm.generate(params, cfg, prompt[:, :1], cache,
+                                    jaxllm.SamplingConfig(max_new_tokens=steps)).cache
+            jax.block_until_ready(cache)
     nbytes = kv_bytes(cache)
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
     limit = device_limit()
@@ -192,6 +200,8 @@ def main() -> None:
                          "blockwise (jaxllm.attention.flash.BACKENDS)")
     ap.add_argument("--transformers", action="store_true")
     ap.add_argument("--out", default="", help="folder for decode.json (default: none written)")
+    ap.add_argument("--profile", default="", help="markdown file: each row's top ops, from one "
+                    "more decode call traced by jax.profiler (default: none)")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     cfg0 = jaxllm.PRESETS[a.preset]
@@ -231,7 +241,8 @@ def main() -> None:
                 for B in (int(b) for b in a.batch.split(",")):
                     try:
                         row = jaxllm_row(cfg, params, KV_FORMATS[kname], B, a.sinks, a.window,
-                                         a.steps)
+                                         a.steps, a.profile, f"{wname} weights, KV {kname}, "
+                                         f"{form} attention, batch {B}, {cache_label}")
                     except ValueError as e:  # a format that refuses this cache
                         row = dict(engine="jaxllm", kv=kname, batch=B,
                                    prompt=a.sinks + a.window, decode_ms=None, prefill_ms=None,

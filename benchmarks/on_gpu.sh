@@ -11,7 +11,8 @@
 #   bash benchmarks/on_gpu.sh bench     # decode tables at Llama-2-7B shapes: StreamingLLM vs
 #                                       # dense vs recompute, and the KV storage formats
 #   bash benchmarks/on_gpu.sh decode    # gpu_decode.py: KV formats at Llama-2-7B, 4+4092, b 1/8,
-#                                       # by the stored-format kernel and by the XLA form
+#                                       # by the stored-format kernel and by the XLA form; each
+#                                       # row's top kernels in profile_decode.md (_profile.py)
 #   bash benchmarks/on_gpu.sh decode2   # gpu_decode.py: W8A8 / W8 / 4-bit weights, transformers
 #   STEPS=N bash benchmarks/on_gpu.sh train   # the sink-token twins at the gpu-6m recipe
 #   STEPS=N bash benchmarks/on_gpu.sh sinks   # the three sink variants at the gpu-sinks recipe
@@ -59,14 +60,15 @@ decode)
   step "decode ms per step by KV format, llama2-7b shapes, 4+4092 filled by the prompt"
   timeout $(( $(left) - 10 )) $PY benchmarks/gpu_decode.py --out "$OUT" --batch 1,8 \
     --kv bf16,int8,token-4,kivi-2 --weights bf16 --attention pallas,blockwise \
-    > "$OUT/gpu_decode.log" 2>&1
+    --profile "$OUT/profile_decode.md" > "$OUT/gpu_decode.log" 2>&1
   tail -12 "$OUT/gpu_decode.log"
   ;;
 decode2)
   step "decode by weight format, and transformers' generate on the same GPU"
   mkdir -p "$OUT/weights"
   timeout $(( $(left) - 10 )) $PY benchmarks/gpu_decode.py --out "$OUT/weights" --batch 1,8,32 \
-    --kv bf16 --weights bf16,w8a8,w8,w4 --transformers > "$OUT/gpu_decode_weights.log" 2>&1
+    --kv bf16 --weights bf16,w8a8,w8,w4 --transformers --profile "$OUT/profile_decode2.md" \
+    > "$OUT/gpu_decode_weights.log" 2>&1
   tail -12 "$OUT/gpu_decode_weights.log"
   ;;
 bench)

@@ -165,7 +165,8 @@ def test_gpu_decode_writes_its_records(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["gpu_decode.py", "--preset", "llama-tiny", "--window",
                                       "28", "--batch", "1", "--steps", "2", "--kv", "bf16,int8",
                                       "--weights", "bf16,w4", "--attention", "blockwise", "--out",
-                                      str(tmp_path), "--no-record"])
+                                      str(tmp_path), "--no-record", "--profile",
+                                      str(tmp_path / "profile.md")])
     gpu_decode.main()
     recs = json.loads((tmp_path / "decode.json").read_text())
     assert [(r["weights"], r["kv"]) for r in recs] == [
@@ -176,6 +177,13 @@ def test_gpu_decode_writes_its_records(tmp_path, monkeypatch, capsys):
     assert all(keys <= set(r) and r["decode_ms"] > 0 and r["prompt"] == 32 for r in recs), recs
     assert recs[1]["kv_bytes"] < recs[0]["kv_bytes"]
     assert "| jaxllm | bf16 | int8 per token | blockwise | 1 |" in capsys.readouterr().out
+    # --profile: each row's top ops from a traced decode call, shares of one whole.
+    prof = (tmp_path / "profile.md").read_text()
+    assert prof.count("\n## ") == 3 and "## w4 weights, KV bf16, blockwise attention, batch 1" \
+        in prof
+    shares = [float(r.split("|")[4].strip(" %")) for r in prof.splitlines()
+              if r.startswith("| ") and r.endswith("% |")]
+    assert len(shares) > 6 and abs(sum(shares) - 300) < 1, shares
 
 
 def test_a_record_replaces_its_section_and_appends_the_archive(tmp_path):

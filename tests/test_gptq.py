@@ -260,3 +260,20 @@ def test_cli_rtn_writes_a_model_every_command_takes(tmp_path, capsys):
     assert main(["ppl", "--model", out, "--weights", "bfloat16", "--max-tokens", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--weights bfloat16: these weights are quantized" in err and "\n" not in err
+
+
+def test_the_default_calibration_text_mixes_prose_and_code_and_holds_out_chapters():
+    """quantize's default calibration (jaxllm.corpus.calibration_corpus): prose and Python's
+    documentation in about equal parts, alternating in blocks much shorter than the text, so
+    random windows see both; the novel's held-out chapters never in it."""
+    from jaxllm.corpus import builtin_corpus, calibration_corpus, prose
+    text, story, docs = calibration_corpus(), prose(), builtin_corpus()
+    assert prose(held_out=True).startswith("CHAPTER X.") and prose(held_out=True) not in text
+    assert "Gutenberg" not in story + prose(held_out=True)  # the plain public-domain text
+    assert len(text) == 2 * len(story)
+    # Which kind each 4 KiB of the mix comes from: both, many times over.
+    kinds = ["prose" if text[i:i + 200] in story else "docs" if text[i:i + 200] in docs else "?"
+             for i in range(0, len(text) - 200, 4096)]
+    assert kinds.count("prose") > 20 and kinds.count("docs") > 20
+    switches = sum(a != b for a, b in zip(kinds, kinds[1:]))
+    assert switches >= 10, kinds

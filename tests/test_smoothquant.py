@@ -365,11 +365,11 @@ def test_cli_quantize_then_every_command_takes_the_result(tmp_path, capsys):
     assert json.loads(open(out + ".json").read())["losses"]  # the search ran
     # What it calibrated on is said, and recorded with the model.
     import hashlib
-    from jaxllm.corpus import builtin_corpus
-    assert "calibrated on the embedded corpus" in err and "--calib-text FILE" in err
+    from jaxllm.corpus import calibration_corpus
+    assert "calibrated on the embedded mixed text" in err and "--calib-text FILE" in err
     made = json.load(open(os.path.join(out, "config.json")))["provenance"]
     assert made["scheme"] == "o3" and made["from"] == "random:pythia-tiny"
-    assert made["calibration"]["sha256"] == hashlib.sha256(builtin_corpus().encode()).hexdigest()
+    assert made["calibration"]["sha256"] == hashlib.sha256(calibration_corpus().encode()).hexdigest()
     assert (made["calibration"]["seqs"], made["calibration"]["seq_len"]) == (4, 64)
     assert main(["ppl", "--model", out, "--max-tokens", "600", "--cache", "64", "--quiet"]) == 0
     assert main(["generate", "--model", out, "--prompt", "def", "--max-new-tokens", "8",

@@ -51,8 +51,9 @@ def add_quantize(sub) -> None:
     p.add_argument("--fake", action="store_true",
                    help="fake-quant (quantize-dequantize in float) instead of int8 matmuls")
     p.add_argument("--calib-text", help="UTF-8 calibration text, from the domain you will use the model on: "
-                        "quantization learns the text it calibrates on (default: the embedded "
-                        "corpus, Python's documentation; recorded in the model's config.json)")
+                        "quantization learns the text it calibrates on (default: an embedded "
+                        "mix of English prose and Python's documentation; recorded in the "
+                        "model's config.json)")
     p.add_argument("--n-seqs", type=COUNT, default=None,
                    help="calibration sequences (default 64 for SmoothQuant, 32 for gptq: sized "
                         "for a CPU; the papers use 512 and 128)")
@@ -85,16 +86,13 @@ def _refuse_other_kind(a) -> None:
                        f"--scheme gptq (rtn reads no calibration text)")
 
 
-EMBEDDED_CALIB = "the embedded corpus (Python's documentation: English about code)"
-
-
 def calibration_text(a) -> tuple[str, dict]:
     """The calibration text and what to record of it (name, sha256, characters)."""
     import hashlib
 
-    from ..corpus import builtin_corpus
-    text = read_text(a.calib_text) if a.calib_text else builtin_corpus()
-    return text, {"text": os.path.abspath(a.calib_text) if a.calib_text else EMBEDDED_CALIB,
+    from ..corpus import CALIBRATION, calibration_corpus
+    text = read_text(a.calib_text) if a.calib_text else calibration_corpus()
+    return text, {"text": os.path.abspath(a.calib_text) if a.calib_text else CALIBRATION,
                   "sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text)}
 
 

@@ -70,8 +70,9 @@ def main():
                              f"{off / on:.2f}x |")
                 print(lines[-1], flush=True)
                 del runs
-    record(f"Decode step with and without the CPU attention kernel ({a.preset})",
-           f"Median of {a.rounds} rounds each, the two interleaved ({cpu.status().splitlines()[1]}):"
+    record(f"Decode step with and without the CPU attention kernel ({a.preset}, "
+           f"{cpu.attention_isa()})",
+           f"Median of {a.rounds} rounds each, the two interleaved ({cpu.status().splitlines()[2]}):"
            "\n\n" + "\n".join(lines), dry=a.no_record)
 
 

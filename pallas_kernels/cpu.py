@@ -18,8 +18,9 @@ rotation it needs (docs/BENCHMARKS.md, "KV cache passes").
 The kernels are built on first use with the machine's C++ compiler (``$CXX``, else ``c++``) and
 ``-march=native``, against the FFI headers that jaxlib ships, into one library cached
 (``$JAXLLM_CACHE_DIR``, else ``~/.cache/jaxllm``) under a key of the sources, the flags, the
-compiler, jaxlib's version and the CPU. They are used only on x86-64 CPUs with AVX-512 (the int8
-one with VNNI, for up to ``FEW_ROWS`` rows): elsewhere, or when they cannot be built (a warning
+compiler, jaxlib's version and the CPU. They are used only on x86-64 CPUs: the int8 one with
+AVX-512 VNNI (for up to ``FEW_ROWS`` rows), the attention one with AVX-512 or AVX2, the low-bit
+one with AVX2: elsewhere, or when they cannot be built (a warning
 says why), XLA computes as before. ``JAXLLM_CPU_KERNELS=0`` turns them off (no build).
 """
 from __future__ import annotations
@@ -151,7 +152,7 @@ def _library() -> tuple[Optional[ctypes.CDLL], str]:
         return None, (f"JAX computes on {jax.default_backend()} here; the kernels serve XLA:CPU "
                       f"only")
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"no kernels for {platform.machine()} (AVX-512 is x86-64)"
+        return None, f"no kernels for {platform.machine()} (they are written for x86-64)"
     if not hasattr(jax, "ffi"):
         return None, f"jax {jax.__version__} has no jax.ffi (0.4.38 or later has)"
     try:
@@ -179,9 +180,15 @@ def _why_not_int8() -> str:
 
 def _why_not_attention() -> str:
     lib, why = _library()
-    if lib is not None and not lib.jaxllm_decode_attention_avx512():
-        return "this CPU has no AVX-512 (F, BW, VL): the jnp path is used"
+    if lib is not None and not lib.jaxllm_decode_attention_isa():
+        return "this CPU has neither AVX-512 (F, BW, VL) nor AVX2 with FMA: the jnp path is used"
     return why
+
+
+def attention_isa() -> str:
+    """The instructions the decode-attention kernel uses here (AVX-512 where the CPU has it)."""
+    lib, _ = _library()
+    return "AVX-512" if lib is not None and lib.jaxllm_decode_attention_isa() == 512 else "AVX2"
 
 
 def _why_not_lowbit() -> str:
@@ -198,7 +205,8 @@ def status() -> str:
     return "\n".join([
         "int8 rows: AVX-512 VNNI kernel" if not why8 else f"int8 rows: XLA ({why8})",
         "4- and 8-bit rows: AVX2 kernel" if not why4 else f"4- and 8-bit rows: XLA ({why4})",
-        "decode attention: AVX-512 kernel" if not whya else f"decode attention: XLA ({whya})"])
+        f"decode attention: {attention_isa()} kernel" if not whya else
+        f"decode attention: XLA ({whya})"])
 
 
 def available() -> bool:

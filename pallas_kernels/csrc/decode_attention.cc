@@ -27,11 +27,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
 #define JAXLLM_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JAXLLM_AVX2 1
+#endif
+#if defined(JAXLLM_AVX512) || defined(JAXLLM_AVX2)
+#include <immintrin.h>
+#define JAXLLM_ATTENTION 1
 #endif
 
 #include "blocks.h"
@@ -45,42 +52,131 @@ constexpr float kNegInf = -1e30f;  // jaxllm.model.NEG_INF
 // The fewest slots a head's chunk has when its slots are split over threads.
 constexpr int64_t kMinChunk = 512;
 
-#ifdef JAXLLM_AVX512
+#ifdef JAXLLM_ATTENTION
 enum class Kind { kF32, kF16, kBf16 };
-
-// 16 (or, with ``m``, fewer) cache values from ``p`` as float32 lanes.
 template <Kind K>
-inline __m512 load16(const void* p, __mmask16 m) {
-  if constexpr (K == Kind::kF32) {
-    return _mm512_maskz_loadu_ps(m, p);
-  } else if constexpr (K == Kind::kF16) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-  } else {  // bfloat16: its bits are the top half of a float32
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  }
-}
+constexpr int64_t kBytes = K == Kind::kF32 ? 4 : 2;
 
-// e^x in 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series
-// to r^7 (relative error below 1e-8, under float32's rounding). Arguments below -150 give 0,
-// so a masked slot's probability is exactly 0, as in the jnp path.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-150.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln 2, with ln 2 in two parts so that r keeps its low bits
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068202862268e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// The vector instructions, one struct per instruction set, so that the kernel below is written
+// once: W float32 lanes; load / loadf read n <= W lanes (the rest ``fill``), storef writes n;
+// kAcc vectors of a head's values are summed in registers at a time.
+#ifdef JAXLLM_AVX512
+struct Avx512 {
+  using V = __m512;
+  static constexpr int64_t W = 16, kAcc = 16;
+  static __mmask16 mask(int64_t n) {
+    return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  template <Kind K>
+  static V load(const void* p, int64_t n) {
+    const __mmask16 m = mask(n);
+    if constexpr (K == Kind::kF32) {
+      return _mm512_maskz_loadu_ps(m, p);
+    } else if constexpr (K == Kind::kF16) {
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    } else {  // bfloat16: its bits are the top half of a float32
+      __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    }
+  }
+  static V loadf(const float* p, int64_t n, float fill = 0.f) {
+    return n >= W ? _mm512_loadu_ps(p) : _mm512_mask_loadu_ps(set1(fill), mask(n), p);
+  }
+  static void storef(float* p, V v, int64_t n) { _mm512_mask_storeu_ps(p, mask(n), v); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  // e^x: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to r^7
+  // (relative error below 1e-8, under float32's rounding). Arguments below -150 give 0, so a
+  // masked slot's probability is exactly 0, as in the jnp path.
+  static V exp(V x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, set1(88.7f)), set1(-150.f));
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504089f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp_reduced(x, n), n);
+  }
+  static V exp_reduced(V x, V n) {  // e^r, r = x - n ln 2 (ln 2 in two parts: r keeps its bits)
+    V r = _mm512_fnmadd_ps(n, set1(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, set1(1.4286068202862268e-06f), r);
+    V p = set1(1.f / 5040.f);
+    for (float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+      p = _mm512_fmadd_ps(p, r, set1(c));
+    return p;
+  }
+};
+#endif
+
+#ifdef JAXLLM_AVX2
+struct Avx2 {
+  using V = __m256;
+  static constexpr int64_t W = 8, kAcc = 8;  // 16 ymm registers: 8 sums, the rest for loads
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  template <Kind K>
+  static V load(const void* p, int64_t n) {
+    if (n < W) {  // a tail (head dims that are not multiples of 8): through a zeroed buffer
+      alignas(32) unsigned char buf[32] = {};
+      std::memcpy(buf, p, n * kBytes<K>);
+      return load<K>(buf, W);
+    }
+    if constexpr (K == Kind::kF32) {
+      return _mm256_loadu_ps(static_cast<const float*>(p));
+    } else if constexpr (K == Kind::kF16) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+    } else {
+      __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+  }
+  static V loadf(const float* p, int64_t n, float fill = 0.f) {
+    if (n >= W) return _mm256_loadu_ps(p);
+    alignas(32) float buf[8];
+    for (int64_t i = 0; i < W; ++i) buf[i] = i < n ? p[i] : fill;
+    return _mm256_load_ps(buf);
+  }
+  static void storef(float* p, V v, int64_t n) {
+    if (n >= W) return _mm256_storeu_ps(p, v);
+    alignas(32) float buf[8];
+    _mm256_store_ps(buf, v);
+    std::memcpy(p, buf, n * sizeof(float));
+  }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float reduce_add(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+  static float reduce_max(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+  // e^x as Avx512::exp, with 2^n built in the exponent's bits (no scalef here): n >= -126 keeps
+  // it a normal float, so arguments below -87.3 give 0 (e^-87.3 is 1e-38: nothing in a sum).
+  static V exp(V x) {
+    const V under = _mm256_cmp_ps(x, set1(-87.3f), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, set1(88.f)), set1(-87.3f));
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504089f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_ps(n, set1(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, set1(1.4286068202862268e-06f), r);
+    V p = set1(1.f / 5040.f);
+    for (float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+      p = _mm256_fmadd_ps(p, r, set1(c));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+};
+#endif
 
 struct Args {
   const void *k = nullptr, *v = nullptr;
@@ -96,18 +192,18 @@ struct Args {
 // Slots [c0, c1) of head row n, for each of its G query heads: the chunk's largest score m, the
 // sum l of exp(score - m), and the sum of exp(score - m) * v, written to ``part`` as [G] m, [G] l,
 // [G, D] sums. ``s`` [G, c1 - c0] holds the chunk's scores, then their exponentials.
-template <Kind K, int kG>
+template <typename I, Kind K, int kG>
 void chunk(const Args& a, int64_t n, int64_t c0, int64_t c1, float* s, float* part) {
-  constexpr int64_t esize = K == Kind::kF32 ? 4 : 2;
+  using V = typename I::V;
+  constexpr int64_t esize = kBytes<K>, W = I::W;
   const int64_t C = a.C, D = a.D, G = kG > 0 ? kG : a.G, L = c1 - c0;
-  const int64_t b = n / a.KVH, nv = (D + 15) / 16;
+  const int64_t b = n / a.KVH, nv = (D + W - 1) / W;
   const char* kb = static_cast<const char*>(a.k) + (n * C + c0) * D * esize;
   const char* vb = static_cast<const char*>(a.v) + (n * C + c0) * D * esize;
   const float* q = a.q + n * a.R * G * D;
   const int32_t* pick = a.pick + b * C + c0;
   const int32_t* dist = a.dist + b * C + c0;
-  const __mmask16 tail = D % 16 ? static_cast<__mmask16>((1u << (D % 16)) - 1) : 0xFFFF;
-  auto mask_of = [&](int64_t j) { return j == nv - 1 ? tail : static_cast<__mmask16>(0xFFFF); };
+  auto lanes = [&](int64_t j) { return std::min<int64_t>(W, D - j * W); };
 
   // Scores. One slot's keys are loaded once for its G query heads; a masked slot's not at all.
   for (int64_t c = 0; c < L; ++c) {
@@ -119,69 +215,66 @@ void chunk(const Args& a, int64_t n, int64_t c0, int64_t c1, float* s, float* pa
     const char* kr = kb + c * D * esize;
     const float* qr = q + r * G * D;
     for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < nv; ++j) {
-        const __mmask16 m = mask_of(j);
-        acc = _mm512_fmadd_ps(load16<K>(kr + j * 16 * esize, m),
-                              _mm512_maskz_loadu_ps(m, qr + g * D + j * 16), acc);
-      }
-      float x = _mm512_reduce_add_ps(acc) / a.root_d;
+      V acc = I::zero();
+      for (int64_t j = 0; j < nv; ++j)
+        acc = I::fmadd(I::template load<K>(kr + j * W * esize, lanes(j)),
+                       I::loadf(qr + g * D + j * W, lanes(j)), acc);
+      float x = I::reduce_add(acc) / a.root_d;
       if (a.alibi) x -= a.slopes[n * G + g] * static_cast<float>(dist[c]);
       s[g * L + c] = x;
     }
   }
-  // The chunk's max and sum of exponentials, 16 slots at a time.
-  const int64_t cv = L - L % 16;
-  const __mmask16 ctail = static_cast<__mmask16>((1u << (L % 16)) - 1);
-  const __m512 neg = _mm512_set1_ps(kNegInf);
+  // The chunk's max and sum of exponentials, W slots at a time.
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * L;
-    __m512 m16 = neg;
-    for (int64_t c = 0; c < cv; c += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(sg + c));
-    if (ctail) m16 = _mm512_max_ps(m16, _mm512_mask_loadu_ps(neg, ctail, sg + cv));
-    const float mx = _mm512_reduce_max_ps(m16);
-    const __m512 mxv = _mm512_set1_ps(mx);
-    __m512 sum16 = _mm512_setzero_ps();
-    for (int64_t c = 0; c < cv; c += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + c), mxv));
-      _mm512_storeu_ps(sg + c, e);
-      sum16 = _mm512_add_ps(sum16, e);
-    }
-    if (ctail) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(ctail, sg + cv), mxv));
-      _mm512_mask_storeu_ps(sg + cv, ctail, e);
-      sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(ctail, e));
+    V mw = I::set1(kNegInf);
+    for (int64_t c = 0; c < L; c += W) mw = I::max(mw, I::loadf(sg + c, L - c, kNegInf));
+    const float mx = I::reduce_max(mw);
+    const V mxv = I::set1(mx);
+    V sum = I::zero();
+    for (int64_t c = 0; c < L; c += W) {
+      const int64_t nl = std::min<int64_t>(W, L - c);
+      V e = I::exp(I::sub(I::loadf(sg + c, nl, kNegInf), mxv));
+      I::storef(sg + c, e, nl);
+      if (nl < W) e = I::loadf(sg + c, nl);  // the lanes past L add nothing
+      sum = I::add(sum, e);
     }
     part[g] = mx;
-    part[G + g] = _mm512_reduce_add_ps(sum16);
+    part[G + g] = I::reduce_add(sum);
   }
-  // Values weighted by the exponentials, accumulated in registers (16 vectors of the head
-  // dimension at a time: D <= 256 in one pass).
+  // Values weighted by the exponentials, accumulated in registers (kAcc vectors of the head
+  // dimension at a time).
   float* sums = part + 2 * G;
-  for (int64_t j0 = 0; j0 < nv; j0 += 16) {
-    const int64_t jn = std::min<int64_t>(16, nv - j0);
+  for (int64_t j0 = 0; j0 < nv; j0 += I::kAcc) {
+    const int64_t jn = std::min<int64_t>(I::kAcc, nv - j0);
     for (int64_t g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int64_t j = 0; j < jn; ++j) acc[j] = _mm512_setzero_ps();
+      V acc[I::kAcc];
+      for (int64_t j = 0; j < jn; ++j) acc[j] = I::zero();
       const float* eg = s + g * L;
       for (int64_t c = 0; c < L; ++c) {
-        const __m512 e = _mm512_set1_ps(eg[c]);
-        const char* vr = vb + (c * D + j0 * 16) * esize;
+        const V e = I::set1(eg[c]);
+        const char* vr = vb + (c * D + j0 * W) * esize;
         for (int64_t j = 0; j < jn; ++j)
-          acc[j] = _mm512_fmadd_ps(e, load16<K>(vr + j * 16 * esize, mask_of(j0 + j)), acc[j]);
+          acc[j] = I::fmadd(e, I::template load<K>(vr + j * W * esize, lanes(j0 + j)), acc[j]);
       }
       for (int64_t j = 0; j < jn; ++j)
-        _mm512_mask_storeu_ps(sums + g * D + (j0 + j) * 16, mask_of(j0 + j), acc[j]);
+        I::storef(sums + g * D + (j0 + j) * W, acc[j], lanes(j0 + j));
     }
   }
 }
+
+#ifdef JAXLLM_AVX512
+using Isa = Avx512;
+#else
+using Isa = Avx2;
+#endif
 
 template <Kind K>
 void chunk_any(const Args& a, int64_t n, int64_t c0, int64_t c1, float* part) {
   std::vector<float> s(a.G * (c1 - c0));
   // G = 1 (multi-head) is the common case; a compile-time 1 lets the compiler drop its loops.
-  if (a.G == 1) return chunk<K, 1>(a, n, c0, c1, s.data(), part);
-  chunk<K, 0>(a, n, c0, c1, s.data(), part);
+  if (a.G == 1) return chunk<Isa, K, 1>(a, n, c0, c1, s.data(), part);
+  chunk<Isa, K, 0>(a, n, c0, c1, s.data(), part);
 }
 
 // out[n, g] from the chunks' parts: each chunk's sums rescaled to the largest score M of all
@@ -208,7 +301,7 @@ void combine(const Args& a, int64_t P, const float* parts) {
     }
   }
 }
-#endif  // JAXLLM_AVX512
+#endif  // JAXLLM_ATTENTION
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> pick,
@@ -231,10 +324,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer k, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("jaxllm_decode_attention: inconsistent shapes");
   if (D > 256)
     return ffi::Error::InvalidArgument("jaxllm_decode_attention: head dim above 256");
-#ifndef JAXLLM_AVX512
+#ifndef JAXLLM_ATTENTION
   (void)pool, (void)root_d, (void)alibi, (void)zero_sink;
   return ffi::Error::InvalidArgument(
-      "jaxllm_decode_attention was built without AVX-512; use the jnp path");
+      "jaxllm_decode_attention was built without AVX-512 or AVX2; use the jnp path");
 #else
   Kind kind;
   switch (k.element_type()) {
@@ -279,10 +372,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer k, ffi::AnyBuffe
 
 }  // namespace
 
-// 1 where this build has the kernel (-march=native on a machine with AVX-512 F, BW and VL).
-extern "C" int jaxllm_decode_attention_avx512() {
-#ifdef JAXLLM_AVX512
-  return 1;
+// Which instructions this build's kernel uses (-march=native): 512 (AVX-512 F, BW and VL),
+// 256 (AVX2 with FMA and F16C), 0 (none: no kernel).
+extern "C" int jaxllm_decode_attention_isa() {
+#if defined(JAXLLM_AVX512)
+  return 512;
+#elif defined(JAXLLM_AVX2)
+  return 256;
 #else
   return 0;
 #endif

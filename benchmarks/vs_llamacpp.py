@@ -37,6 +37,15 @@ def _cpu() -> float:
 
 
 def _peak_mib() -> float:
+    """This process's peak resident memory: VmHWM, which starts afresh at exec (ru_maxrss keeps
+    the high-water mark of the process it was forked from, here the parent's loaded model)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -168,12 +177,12 @@ def main() -> None:
     sys.path.insert(0, HERE)
     import tempfile
 
-    import jaxllm
     from jaxllm.corpus import builtin_corpus
     from jaxllm.io import packaged_path
     from _record import machine, record
     a.gguf = a.gguf or packaged_path("smollm2")
-    _, _, tok = jaxllm.load_model(a.gguf)
+    from convert.gguf import gguf_tokenizer
+    tok = gguf_tokenizer(a.gguf)  # the tokenizer alone: the workers load the weights
     ids = tok.encode(builtin_corpus())[:a.prompt]
     fd, a.ids = tempfile.mkstemp(suffix=".json")
     with os.fdopen(fd, "w") as f:

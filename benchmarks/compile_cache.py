@@ -1,8 +1,9 @@
 """How much sooner a second run of the same command starts, with the CLI's persistent XLA
 compilation cache and the converted-model cache (convert.converted): `jaxllm ppl` run twice in
-fresh processes against one new cache directory (and once with both caches off), timing the whole command and the seconds its run spent
-compiling (the JSON's compile_seconds, from jax.monitoring's events), and reading the time to
-its first scored chunk from the progress line."""
+fresh processes against one new cache directory (and once with both caches off), timing the
+whole command and the seconds its run spent compiling (the JSON's compile_seconds, from
+jax.monitoring's events), and reading the time to its first scored chunk from the progress
+line."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _record import machine, record  # noqa: E402
 
 
-def run(cache_dir: str, extra: list, out: str, model: str, tokens: int, env: dict = {}) -> dict:
+def run(cache_dir: str, extra: list, out: str, model: str, tokens: int, **env: str) -> dict:
     env = dict(os.environ, JAXLLM_CACHE_DIR=cache_dir, **env)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     cmd = [sys.executable, "-m", "jaxllm.cli", *extra, "ppl", "--model", model, "--max-tokens",
@@ -40,7 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         cache, out = os.path.join(d, "cache"), os.path.join(d, "r.json")
         rows = {"no cache": run(os.path.join(d, "none"), ["--no-compile-cache"], out, a.model,
-                                a.tokens, {"JAXLLM_MODEL_CACHE": "0"}),
+                                a.tokens, JAXLLM_MODEL_CACHE="0"),
                 "first run, empty cache": run(cache, [], out, a.model, a.tokens),
                 "second run": run(cache, [], out, a.model, a.tokens)}
     lines = ["| run | whole command (s) | until scoring starts (s) | compiling (s) |",

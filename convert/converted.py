@@ -1,5 +1,6 @@
-"""A GGUF file's conversion kept in the user's cache, so that a second load maps it back
-instead of converting again (SmolLM2: ~2 s of dequantizing and tokenizer building -> ~0.3 s).
+"""A GGUF file's conversion kept in the user's cache, so that a second load reads it back
+instead of dequantizing the blocks and building the tokenizer again (docs/CPU.md, "Loading a
+GGUF file").
 
 An entry is ``$JAXLLM_CACHE_DIR/models/<key>/`` (else ``~/.cache/jaxllm/models``): the converted
 weights as a jaxllm model directory (``model/``, written by jaxllm.save_model and read back by
@@ -24,7 +25,7 @@ from typing import Callable, Optional
 MAX_FILE_BYTES = 256 << 20
 # What decides the converted form: a change to any of these files is a new key.
 _SOURCES = ("gguf.py", "gguf_file.py", "hf.py", "families.py", "converted.py",
-            "../jaxllm/lowbit.py", "../jaxllm/io.py", "../jaxllm/config.py")
+            "../jaxllm/lowbit.py", "../jaxllm/quant.py", "../jaxllm/io.py", "../jaxllm/config.py")
 _TOKENIZER, _META, _MODEL = "tokenizer.json", "tokenizer_meta.json", "model"
 
 
@@ -46,12 +47,11 @@ def _converter_digest() -> str:
 def entry(path: str, keep_quantized: bool) -> Optional[str]:
     """The cache directory of ``path``'s conversion, or None where none is kept (the cache
     off, a file over :data:`MAX_FILE_BYTES`)."""
-    from jaxllm.io import _sha256
+    from jaxllm.io import file_sha256
     from pallas_kernels.cpu import cache_dir
-    size = os.path.getsize(path)
-    if not enabled() or size > MAX_FILE_BYTES:
+    if not enabled() or os.path.getsize(path) > MAX_FILE_BYTES:
         return None
-    sha = _sha256(os.path.realpath(path), size, os.path.getmtime(path))
+    sha = file_sha256(path)
     form = "blocks" if keep_quantized else "float32"
     return os.path.join(cache_dir(), "models", f"{sha[:32]}-{form}-{_converter_digest()}")
 

@@ -325,15 +325,20 @@ def packaged_path(name: str) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{m.dist} {version} has no {m.file}: reinstall it "
                                 f"({m.install} --force-reinstall)")
-    if _sha256(path, os.path.getsize(path), os.path.getmtime(path)) != m.sha256:
+    if file_sha256(path) != m.sha256:
         raise ValueError(f"{path} does not have the sha256 of {m.dist} {m.version}'s file "
                          f"(damaged or replaced): {m.install} --force-reinstall")
     return path
 
 
+def file_sha256(path: str) -> str:
+    """A file's sha256, computed once per process for a given path, size and time of change."""
+    path = os.path.realpath(path)
+    return _sha256(path, os.path.getsize(path), os.path.getmtime(path))
+
+
 @functools.cache
 def _sha256(path: str, size: int, mtime: float) -> str:
-    """A file's sha256, once per process for a given size and time of change."""
     import hashlib
     h = hashlib.sha256()
     with open(path, "rb") as f:

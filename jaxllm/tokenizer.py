@@ -179,12 +179,13 @@ class HFTokenizer:
 
 def encode_head(tok: Tokenizer, text: str, n: Optional[int]) -> tuple[list[int], bool]:
     """The first ``n`` tokens of ``text`` (all of them when ``n`` is None) and whether the text
-    holds more, encoding only as much of the text as they need: ~1 s saved per 750 KB.
+    holds more, encoding only as much of the text as they need (``ppl``'s default 4,096 tokens
+    of a long text: docs/CPU.md, "One block traced for every layer").
 
     A prefix is cut after a line break and kept only when it yields ``n`` tokens and a margin
     more: tokenizers split text into pieces (words, runs of spaces or punctuation) before they
     merge, and no piece reaches back over a line, so the tokens before the cut's last line are
-    the whole text's (checked against whole-text encoding in tests/test_tokenizer.py)."""
+    the whole text's (checked against whole-text encoding in tests/test_gguf.py)."""
     if n is None:
         return list(tok.encode(text)), False
     chars = max(1 << 14, 8 * n)

@@ -177,13 +177,49 @@ def test_gpu_decode_writes_its_records(tmp_path, monkeypatch, capsys):
     assert all(keys <= set(r) and r["decode_ms"] > 0 and r["prompt"] == 32 for r in recs), recs
     assert recs[1]["kv_bytes"] < recs[0]["kv_bytes"]
     assert "| jaxllm | bf16 | int8 per token | blockwise | 1 |" in capsys.readouterr().out
-    # --profile: each row's top ops from a traced decode call, shares of one whole.
+    # --profile: a section per row, each with a table of the ops XLA:CPU ran (a fusion or a
+    # dot among them: the trace was read, not an empty table).
     prof = (tmp_path / "profile.md").read_text()
     assert prof.count("\n## ") == 3 and "## w4 weights, KV bf16, blockwise attention, batch 1" \
         in prof
-    shares = [float(r.split("|")[4].strip(" %")) for r in prof.splitlines()
-              if r.startswith("| ") and r.endswith("% |")]
-    assert len(shares) > 6 and abs(sum(shares) - 300) < 1, shares
+    sections = prof.split("\n## ")[1:]
+    assert all(re.search(r"^\| (\S*fusion|dot)\S* \| [0-9.]+ \|", sec, re.M) for sec in sections)
+
+
+def test_profile_summary_sums_a_traces_ops(tmp_path):
+    """_profile.op_times on a Perfetto trace written here: the device's kernel events when the
+    trace has a /device: row (named by their HLO op where given), the host's HLO-op events
+    otherwise; durations summed per op, calls counted; table() per step, the rest summed."""
+    import gzip
+    import _profile
+
+    def trace(events, name):
+        d = tmp_path / name / "plugins" / "profile"
+        d.mkdir(parents=True)
+        with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        return str(tmp_path / name)
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    host = [{"ph": "X", "pid": 1, "name": "fusion.1", "dur": 500.0,
+             "args": {"hlo_op": "fusion.1"}},
+            {"ph": "X", "pid": 1, "name": "PjitFunction", "dur": 9000.0}]
+    gpu = [{"ph": "X", "pid": 2, "name": "triton_kernel", "dur": 300.0,
+            "args": {"hlo_op": "custom-call.3"}},
+           {"ph": "X", "pid": 2, "name": "triton_kernel", "dur": 100.0,
+            "args": {"hlo_op": "custom-call.3"}},
+           {"ph": "X", "pid": 2, "name": "gemm_kernel", "dur": 100.0},
+           {"ph": "i", "pid": 2, "name": "marker"}]
+    ops = _profile.op_times(trace(meta + host + gpu, "gpu"))
+    assert [(o.name, o.ms, o.calls) for o in ops] == [("custom-call.3", 0.4, 2),
+                                                     ("gemm_kernel", 0.1, 1)]
+    assert [round(o.share, 6) for o in ops] == [0.8, 0.2]
+    assert [(o.name, o.ms) for o in _profile.op_times(trace(meta[:1] + host, "cpu"))] == [
+        ("fusion.1", 0.5)]
+    table = _profile.table(ops, top=1, per=2).splitlines()
+    assert table[2:] == ["| custom-call.3 | 0.200 | 1 | 80.0% |",
+                         "| (1 others) | 0.050 | 0.5 | 20.0% |"]
 
 
 def test_a_record_replaces_its_section_and_appends_the_archive(tmp_path):

@@ -76,7 +76,6 @@ def test_real_tokenizer_and_template_equal_transformers(real):
                                                          add_generation_prompt=True)
 
 
-
 def test_the_head_of_a_text_encodes_as_the_whole_text_does(real):
     """ppl encodes only the prefix it scores (jaxllm.tokenizer.encode_head): its tokens must be
     the whole text's, at cuts after runs of blank lines, trailing spaces and code."""
@@ -89,6 +88,7 @@ def test_the_head_of_a_text_encodes_as_the_whole_text_does(real):
         for n in (2, 1000, 4096, 9999, len(whole) - 10, len(whole), len(whole) + 5):
             got, more = encode_head(tok, text, n)
             assert (got, more) == (whole[:n], len(whole) > n), n
+
 
 # ---- small files written here -----------------------------------------------------------------
 
@@ -192,7 +192,6 @@ def test_small_files_read_as_transformers_reads_them(tmp_path, i, qtype):
     assert tok.encode("abZ8") == [63, 2 + 51, 2 + 60]
 
 
-
 def test_a_conversion_is_kept_and_read_back_as_converted(tmp_path, monkeypatch):
     """convert.converted: a second load of a file reads its kept conversion (the same config,
     weights, low-bit codes, tokenizer and template as converting again); a damaged entry is
@@ -243,6 +242,7 @@ def test_a_conversion_is_kept_and_read_back_as_converted(tmp_path, monkeypatch):
     _write(path, model, QT.Q8_0, np.random.default_rng(3))  # same path, other bytes
     assert converted.entry(str(path), False) != where
     assert jaxllm.load_model(str(path))[1]["layer_0"]["attn"]["q"]["kernel"].dtype == jnp.float32
+
 
 def test_convert_writes_a_model_directory_with_tokenizer_and_template(tmp_path, capsys):
     """jaxllm convert --gguf: the directory gives the file's logits, ids and chat template."""

@@ -77,6 +77,28 @@ class QLowBit:
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in (self.codes, self.scale, self.offset))
 
+    def rows(self, idx) -> "QLowBit":
+        """The node holding output rows ``idx`` only."""
+        return self.replace(codes=self.codes[idx], scale=self.scale[idx],
+                            offset=self.offset[idx])
+
+    # What a model asks of a quantized weight (jaxllm.quant.QKernel answers the same).
+    def matmul(self, x: Float[Array, "... i"], dtype, backend: str = "auto"
+               ) -> Float[Array, "... o"]:
+        """x @ ŵᵀ (:func:`matmul`)."""
+        return matmul(x, self, dtype, backend)
+
+    def lookup(self, tokens: Array) -> Float[Array, "... d"]:
+        """An embedding table's rows for ``tokens``, only those dequantized."""
+        rows = dequantize(self.rows(tokens.reshape(-1)))
+        return rows.reshape(*tokens.shape, self.in_features)
+
+    def head(self, x: Float[Array, "... d"], vocab: int, backend: str = "auto"
+             ) -> Float[Array, "... v"]:
+        """A tied head over the table's first ``vocab`` rows."""
+        table = self if self.codes.shape[0] == vocab else self.rows(slice(None, vocab))
+        return matmul(x, table, jnp.float32, backend)
+
 
 def check(bits: int, group: int, in_features: int) -> None:
     if bits not in BITS:

@@ -10,14 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from . import attention, lowbit
+from . import attention
 from .kv import cache as kvc
 from .kv import evict, stores
 from .config import ModelConfig
 from .positions import check_positions
 from .lowbit import QLowBit
-from .quant import QKernel, qmatmul
+from .quant import QKernel
 from .rope import inv_freq
+
+
+def is_quantized_node(x) -> bool:
+    """A quantized or decode-layout weight (jaxllm.quant.QKernel, jaxllm.lowbit.QLowBit): a node
+    that runs its own product (``matmul``, and as an embedding ``lookup`` and ``head``)."""
+    return isinstance(x, (QKernel, QLowBit))
 
 
 def _dtype(cfg: ModelConfig):
@@ -44,10 +50,8 @@ class Linear(nn.Module):
         self.sow("inputs", "x", x.reshape(-1, x.shape[-1]), reduce_fn=lambda a, b: b,
                  init_fn=lambda: 0.0)
         kernel = self.get_variable("params", "kernel")
-        if isinstance(kernel, QKernel):  # INT8 (jaxllm.quant): dispatch on the leaf's type
-            y = qmatmul(x, kernel, self.dtype, self.int8)
-        elif isinstance(kernel, QLowBit):  # k-bit weight-only (jaxllm.lowbit, jaxllm.gptq)
-            y = lowbit.matmul(x, kernel, self.dtype, self.int8)
+        if is_quantized_node(kernel):  # INT8, weight-only or k-bit: the node's own product
+            y = kernel.matmul(x, self.dtype, self.int8)
         else:
             kernel = self.param("kernel", nn.initializers.normal(self.std),
                                 (x.shape[-1], self.features))
@@ -71,28 +75,16 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         table = self.get_variable("params", "embedding")
-        if isinstance(table, QKernel):  # int8 rows, one scale each
-            return table.q[tokens].astype(jnp.float32) * table.scale[tokens][..., None]
-        if isinstance(table, QLowBit):  # the looked-up rows only
-            flat = tokens.reshape(-1)
-            rows = lowbit.dequantize(table.replace(codes=table.codes[flat],
-                                                   scale=table.scale[flat],
-                                                   offset=table.offset[flat]))
-            return rows.reshape(*tokens.shape, self.dim)
+        if is_quantized_node(table):  # the looked-up rows only, dequantized
+            return table.lookup(tokens)
         table = self.param("embedding", nn.initializers.normal(self.std), (self.vocab, self.dim))
         return table[tokens]
 
     def attend(self, x, vocab: int):
         """Logits over the first ``vocab`` rows (a learnable sink's row is input-only)."""
         table = self.get_variable("params", "embedding")
-        if isinstance(table, QKernel):  # the table is [vocab, dim] = [out, in]
-            return qmatmul(x, table.replace(q=table.q[:vocab], scale=table.scale[:vocab]),
-                           jnp.float32, self.int8)
-        if isinstance(table, QLowBit):
-            if table.codes.shape[0] != vocab:
-                table = table.replace(codes=table.codes[:vocab], scale=table.scale[:vocab],
-                                      offset=table.offset[:vocab])
-            return lowbit.matmul(x, table, jnp.float32, self.int8)
+        if is_quantized_node(table):
+            return table.head(x, vocab, self.int8)
         return jnp.einsum("...d,vd->...v", x, table[:vocab])
 
 

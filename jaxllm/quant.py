@@ -57,6 +57,23 @@ class QKernel:
     def shape(self):
         return self.q.shape
 
+    # What a model asks of a quantized weight (jaxllm.lowbit.QLowBit answers the same).
+    def matmul(self, x: Float[Array, "... i"], dtype, backend: str = "auto"
+               ) -> Float[Array, "... o"]:
+        """x @ W (:func:`qmatmul`)."""
+        return qmatmul(x, self, dtype, backend)
+
+    def lookup(self, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
+        """An embedding table's rows for ``tokens``: int8 rows times their scales."""
+        return self.q[tokens].astype(jnp.float32) * self.scale[tokens][..., None]
+
+    def head(self, x: Float[Array, "... d"], vocab: int, backend: str = "auto"
+             ) -> Float[Array, "... v"]:
+        """A tied head over the table's first ``vocab`` rows (the table is [vocab, dim] =
+        [out, in])."""
+        return qmatmul(x, self.replace(q=self.q[:vocab], scale=self.scale[:vocab]),
+                       jnp.float32, backend)
+
 
 def absmax_scale(x: Array, axis=None, keepdims: bool = False) -> Array:
     """Δ = max|x| / 127 over ``axis`` (all-zero slices get Δ = 1 so nothing divides by zero)."""

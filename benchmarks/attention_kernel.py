@@ -2,15 +2,16 @@
 (pallas_kernels/csrc/decode_attention.cc), interleaved in one process: Pythia-160M shapes,
 random weights, a full StreamingLLM ring (every slot attended, as in steady streaming).
 
-Each (format, cache, batch) compiles the step twice, once with ``attention.decode.use_attention_kernel``
-as it is and once forced off (the jnp path: jaxllm.attention.decode.attend_cache's one pass by head
-groups), then alternates timed rounds of the two; the table shows medians.
+Each (format, cache, batch) compiles the step twice, with ``Kernels(attention="auto")`` (the
+kernel) and ``"materialised"`` (XLA's form: jaxllm.attention.decode.attend_cache's one pass by
+head groups), then alternates timed rounds of the two; the table shows medians.
 
     python benchmarks/attention_kernel.py [--formats float32,bf16kv,w8a8] [--caches 252,4092]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -23,7 +24,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
-from jaxllm.attention import decode  # noqa: E402
 from jaxllm.model import apply  # noqa: E402
 from jaxllm.policy import StreamingLLM  # noqa: E402
 from pallas_kernels import cpu  # noqa: E402
@@ -45,7 +45,6 @@ def main():
     cfg0 = jaxllm.PRESETS[a.preset]
     params0 = jaxllm.init_params(cfg0, jax.random.key(0))
     models = {f: variant(f, cfg0, params0) for f in a.formats.split(",")}
-    kernel_on = decode.use_attention_kernel
     lines = ["| format | cache | batch | kernel ms/step | without ms/step | speed-up |",
              "|---|---|---:|---:|---:|---:|"]
     for W in [int(x) for x in a.caches.split(",")]:
@@ -53,13 +52,12 @@ def main():
         for B in [int(x) for x in a.batch.split(",")]:
             for f, (cfg, params, kv_dtype) in models.items():
                 runs = {}
-                for path, use in (("kernel", kernel_on), ("without", lambda k: False)):
-                    decode.use_attention_kernel = use  # read when the step is traced
-                    step = jax.jit(functools.partial(apply, cfg=cfg), donate_argnames=("cache",))
+                for path, form in (("kernel", "auto"), ("without", "materialised")):
+                    c = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention=form))
+                    step = jax.jit(functools.partial(apply, cfg=c), donate_argnames=("cache",))
                     cache = full_ring(pc.make_cache(cfg, B, 0, dtype=kv_dtype))
                     _, cache = time_decode(step, params, cache, 1, warmup=1)  # traced here
                     runs[path] = [step, cache, []]
-                decode.use_attention_kernel = kernel_on
                 steps = 5 if W > 1000 else 10
                 for _ in range(a.rounds):
                     for run in runs.values():

@@ -25,7 +25,8 @@ class Kernels:
     * ``attention``: ``blockwise`` (jnp, online softmax over blocks of keys), ``materialised``
       (all scores at once: the oracle, and what attention maps read), ``pallas`` (the Pallas
       kernels: flash prefill, decode over the cache as stored); ``auto``: pallas on GPU and
-      TPU, blockwise elsewhere.
+      TPU; on a CPU blockwise, and a decode step by the C++ kernel where it is built
+      (pallas_kernels.cpu.decode_attention; a named form keeps XLA's).
     * ``int8``: the INT8 and low-bit products (pallas_kernels.resolve_backend): ``xla``,
       ``cpu`` (the C++ kernels), ``triton``, ``tpu``; ``auto``: by platform.
 

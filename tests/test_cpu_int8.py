@@ -2,6 +2,7 @@
 XLA's own int8 dot: its sums are exact, so results must be equal, not close. The kernel needs a
 C++ compiler and AVX-512 VNNI; without them these tests skip (saying why) and the fallback is
 checked instead."""
+import dataclasses
 import functools
 import os
 import subprocess
@@ -16,6 +17,7 @@ from conftest import LLAMA
 import jaxllm
 import pallas_kernels
 from jaxllm import smoothquant as sq
+from jaxllm.config import Kernels
 from pallas_kernels import cpu, reference
 
 needs_kernel = pytest.mark.skipif(not cpu.available(), reason=f"no kernel here: {cpu.status()}")
@@ -117,7 +119,7 @@ def test_w8a8_matmul_takes_the_kernel_for_few_rows_and_equals_xla(per_channel, b
 
 
 @needs_kernel
-def test_w8a8_model_decodes_the_same_with_and_without_the_kernel(monkeypatch):
+def test_w8a8_model_decodes_the_same_with_and_without_the_kernel():
     params = jaxllm.init_params(LLAMA, jax.random.key(3))
     ids = np.random.default_rng(1).integers(0, LLAMA.vocab_size, 3000)
     q = sq.quantize(params, LLAMA, ids, "o1", 0.8,
@@ -125,10 +127,9 @@ def test_w8a8_model_decodes_the_same_with_and_without_the_kernel(monkeypatch):
     toks = jnp.asarray(ids[None, :6].repeat(2, 0))  # 12 rows: the kernel's range
     assert uses_kernel(lambda t: jaxllm.forward(q, LLAMA, t)[0], toks)
     with_kernel = jaxllm.forward(q, LLAMA, toks)[0]
-    monkeypatch.setattr(cpu, "use_for", lambda m, k: False)
-    jax.clear_caches()
-    without = jaxllm.forward(q, LLAMA, toks)[0]
-    jax.clear_caches()
+    xla = dataclasses.replace(LLAMA, kernels=Kernels(int8="xla"))  # chosen by argument
+    assert not uses_kernel(lambda t: jaxllm.forward(q, xla, t)[0], toks)
+    without = jaxllm.forward(q, xla, toks)[0]
     np.testing.assert_array_equal(np.asarray(with_kernel), np.asarray(without))
 
 

@@ -147,7 +147,7 @@ def attend_cache(q, k, v, plan: "Decode", cfg: ModelConfig,
     def by_xla(k, v, qm):
         return _attend_xla(k, v, qm, plan, mask, slopes, R, cfg)
 
-    if use_attention_kernel(k):
+    if cfg.kernels.attention == "auto" and use_attention_kernel(k):
         out = pallas_kernels.cpu.on_cpu(by_kernel, by_xla, k, v, qm)
     else:
         out = by_xla(k, v, qm)

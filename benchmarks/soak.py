@@ -61,8 +61,7 @@ def main():
         tgts = np.zeros((1, C), np.int32)
         toks[0, :m], tgts[0, :m] = ids[s:s + m], ids[s + 1:s + 1 + m]
         (nll, _), cache = nll_chunk(params, cfg, cache, jnp.asarray(toks), jnp.asarray(tgts),
-                                     jnp.asarray([m], jnp.int32),
-                                     stepwise=pc.stepwise)
+                                     jnp.asarray([m], jnp.int32))
         v = np.asarray(nll)[0, :m].astype(np.float64)
         nan += int(np.isnan(v).sum())
         acc += float(np.nansum(v))

@@ -8,7 +8,8 @@ _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from .config import PRESETS, ModelConfig, RopeScaling
 from .generate import GenerateResult, SamplingConfig, generate, generate_python
 from .io import load_model, save_model
-from .kv import KVCache, KVQuant, init_cache
+from .kinds import init_cache
+from .kv import KVCache, KVQuant
 from .model import forward, init_params
 from .policy import (H2O, CachePolicy, Dense, KVStorage, QHitter, Recompute, StreamingLLM,
                      Window, policy_of)

@@ -139,7 +139,7 @@ class Chat:
 
     def send(self, message: str, on_text: Optional[Callable[[str], None]] = None) -> Round:
         from .generate import feed, step
-        from .kv.cache import check_room, kv_bytes
+        from .kv.cache import kv_bytes
         from .positions import with_sink
         from .progress import watch_compiles
         if not message.strip():
@@ -148,7 +148,7 @@ class Chat:
         ids = self.tok.encode(turn_text(self.tok, self.history, message, self.ended, self.fed))
         if not self.fed and self.cfg.sink_id is not None:  # a learnable sink starts the stream
             ids = [int(t) for t in with_sink(self.cfg, np.asarray(ids, np.int32))]
-        check_room(self.cache, [self.held + len(ids) + sc.max_new_tokens])
+        self.cache.kind.check_room(self.cache, [self.held + len(ids) + sc.max_new_tokens])
         shown = _Shown(self.tok, self.stop)
         stopped_by = "length"
         with watch_compiles() as compiling:

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from .kv.cache import KVCache, available_bytes, check_room
+from .kv.cache import KVCache, available_bytes
 from .config import INT32_MAX, ModelConfig
-from .model import apply, check_chunk, forward, prefill_block
+from .model import apply, check_chunk, forward
 from .positions import with_sink
 from .weight_only import loop_weights
 
@@ -106,7 +106,8 @@ def _prepare(cfg: ModelConfig, prompt, cache: KVCache, prompt_lengths, sc: Sampl
     if cfg.sink_id is not None:  # one more token to fit (and check) in the cache
         prompt, lens = _sink_first(cfg, prompt, cache, lens)
         lens = check_chunk(cfg, prompt, cache, lens)
-    check_room(cache, np.asarray(jax.device_get(cache.length + lens)) + sc.max_new_tokens)
+    cache.kind.check_room(cache, np.asarray(jax.device_get(cache.length + lens)) +
+                          sc.max_new_tokens)
     _check_output_fits(prompt.shape[0], sc.max_new_tokens)
     return prompt, lens
 
@@ -207,17 +208,9 @@ def generate(params, cfg: ModelConfig, prompt: Int[Array, "b p"], cache: KVCache
 
 def prompt_bucket(T: int, cache: KVCache) -> int:
     """The padded length a T-token prompt is fed at, so that prompts of nearby lengths share a
-    compiled program: a power of two up to 256 (at least 16), then a multiple of 256; past one
-    prefill block, whole blocks (the blockwise prefill runs whole blocks anyway). A dense cache
-    is never padded past its size, and score-based eviction not at all (it attends the chunk
-    as one, so padding would be work for nothing)."""
-    if cache.evict_by is not None:
-        return T
-    blk = prefill_block(cache.batch, cache.window)
-    b = max(16, 1 << (T - 1).bit_length()) if T <= 256 else -(-T // 256) * 256
-    if b > blk:
-        b = -(-T // blk) * blk
-    return b if cache.ring else max(T, min(b, cache.capacity))
+    compiled program: as the cache's kind pads it (jaxllm.kinds; a ring to a power of two, then
+    whole prefill blocks; score-based eviction not at all, since it attends the chunk whole)."""
+    return cache.kind.bucket(T, cache.batch)
 
 
 def _padded_to_bucket(prompt, cache: KVCache):

@@ -11,8 +11,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from . import attention
+from .attention import plain
 from .kv import cache as kvc
-from .kv import evict, stores
 from .config import ModelConfig
 from .positions import check_positions
 from .lowbit import QLowBit
@@ -217,9 +217,8 @@ class Transformer(nn.Module):
         if positions is not None:  # explicit positions: the sequence reaches the largest + 1
             seq_len = jnp.max(positions, axis=1).astype(jnp.int32) + 1
         freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
-        plan = attention.plan(cfg, lay, B, T, 0 if cache is None else cache.sinks, freq,
-                         write_first=cache is None or not stores.reads_before_write(cache.k[0]),
-                         positions=positions, keys_rotated=cache is not None and cache.keys_rotated)
+        plan = plain.plan(cfg, B, T, freq, positions) if cache is None else \
+            cache.kind.plan(cfg, lay, B, T, freq)
         new_k, new_v, new_s = [], [], []
         # The first block's input, collected only when "block_inputs" is mutable (GPTQ's
         # block-by-block calibration, block_apply).
@@ -233,7 +232,7 @@ class Transformer(nn.Module):
         block_jit = _block_jit(cfg.remat) if shared else None
         for layer in range(cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
-                cache.scores[layer:layer + 1]  # + the layer's evict.Scores if score-based
+                cache.state[layer:layer + 1]  # + the kind's own state, if it keeps one
             if shared:
                 x, nc = _block_call(block_jit, cfg, self.variables["params"][f"layer_{layer}"],
                                     x, layer_cache, plan)
@@ -322,7 +321,7 @@ def block_apply(layer_params, cfg: ModelConfig, x: Float[Array, "b t d"], mutabl
     B, T = x.shape[:2]
     freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling,
                     jnp.full((B,), T, jnp.int32))
-    plan = attention.plan(cfg, None, B, T, 0, freq)
+    plan = plain.plan(cfg, B, T, freq)
     if not mutable:
         return Block(cfg).apply({"params": layer_params}, x, None, plan)[0]
     (y, _), state = Block(cfg).apply({"params": layer_params}, x, None, plan,
@@ -333,18 +332,6 @@ def block_apply(layer_params, cfg: ModelConfig, x: Float[Array, "b t d"], mutabl
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     """Random parameters (normal(init_std), output projections scaled by 1/sqrt(2L))."""
     return Transformer(cfg).init(key, jnp.zeros((1, 1), jnp.int32), None, None)["params"]
-
-
-# The rows (batch x tokens) of one prefill block: a long chunk goes through the cache in blocks
-# of at most this many rows, so its activations (the MLP's, the projections', the attention
-# output) are bounded whatever the prompt's length. 4,096 rows keep every product large.
-PREFILL_ROWS = 4096
-
-
-def prefill_block(batch: int, window: int) -> int:
-    """Tokens per block of a chunk through a cache: at most the window (a ring holds no more
-    at once) and PREFILL_ROWS / batch (a power of two, at least 16)."""
-    return min(window, max(16, 2 ** int(math.log2(max(1, PREFILL_ROWS // batch)))))
 
 
 def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
@@ -379,16 +366,13 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
     if mutable or positions is not None:
         raise ValueError("mutable collections and explicit positions apply to a plain forward "
                          "(cache=None); with a cache, positions are assigned within the cache")
-    blk = prefill_block(B, cache.window)
-    # Score-based eviction prefills as its authors do: the whole chunk attends fully, then is
-    # compressed once (jaxllm.kv.evict), so its positions reach C + T (bounded by the chunk).
-    if T <= blk or cache.evict_by is not None:
+    # A kind without blocks (score-based eviction, which prefills as its authors do: the whole
+    # chunk attends fully, then is compressed once) takes any chunk whole.
+    blk = cache.kind.prefill_block(B)
+    if blk is None or T <= blk:
         return _forward_chunk(params, cfg, tokens, cache, lens, last_only)
     # A longer chunk goes through in blocks of blk tokens (a scan inside the same jit; chunking
-    # never changes the logits). Within a chunk, queries and keys are rotated at their chunk
-    # offsets, so a long chunk would put positions up to T into the float32 angles, which are
-    # coarse there (the error grew with the offset, 20x the token-by-token path's at 4,096);
-    # in blocks of at most W every rotated position lies in [-W, W) whatever T is.
+    # never changes the logits).
     n = -(-T // blk)
     blocks = jnp.pad(tokens, ((0, 0), (0, n * blk - T))).reshape(B, n, blk).transpose(1, 0, 2)
     block_lens = jnp.clip(lens[None, :] - blk * jnp.arange(n, dtype=lens.dtype)[:, None], 0, blk)
@@ -414,23 +398,12 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
 
 
 def _forward_chunk(params, cfg: ModelConfig, tokens, cache, lens, last_only: bool = False):
-    """One chunk of at most ``cache.window`` tokens (any length with score-based eviction)
-    through the cache."""
+    """One chunk through the cache, as its kind lays it out and plans its attention."""
     rows = jnp.maximum(lens - 1, 0)[:, None] if last_only else None
-    if cache.evict_by is not None:  # H2O / Q-Hitter (jaxllm.kv.evict)
-        lay = evict.layout(cache.length, lens, tokens.shape[1], cache.sinks,
-                           cache.capacity - 1, cache.evict_by)
-        logits, (ks, vs, ss) = Transformer(cfg).apply({"params": params}, tokens, cache, lay,
-                                                      None, rows)
-        return logits, cache.replace(k=ks, v=vs, scores=ss, length=lay.new_length)
-    lay = kvc.chunk_layout(cache, lens, tokens.shape[1])
-    logits, (ks, vs, _) = Transformer(cfg).apply({"params": params}, tokens, cache, lay, None,
-                                                 rows)
-    # A dense cache asked to overflow: under jit we cannot raise, so the row's logits become NaN
-    # (outside jit, forward() raises before getting here).
-    logits = jnp.where(lay.overflow[:, None, None], jnp.nan, logits)
-    new_cache = cache.replace(k=ks, v=vs, length=lay.new_length, head=lay.new_head)
-    return logits, new_cache
+    lay = cache.kind.layout(cache, lens, tokens.shape[1])
+    logits, (ks, vs, state) = Transformer(cfg).apply({"params": params}, tokens, cache, lay,
+                                                     None, rows)
+    return cache.kind.advance(cache, lay, logits, ks, vs, state)
 
 
 _forward_jit = jax.jit(apply, static_argnames=("cfg",))
@@ -478,7 +451,7 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
     if cache is None:
         check_positions(cfg, T)
     else:
-        check_positions(cfg, cache.capacity, streams=bool(cache.ring or cache.sinks))
+        check_positions(cfg, cache.capacity, streams=cache.kind.streams or cache.sinks > 0)
     if cache is None:
         if lengths is not None:
             raise ValueError("lengths (right padding) only applies to a forward with a cache; "
@@ -497,7 +470,7 @@ def check_chunk(cfg: ModelConfig, tokens, cache: Optional[kvc.KVCache], lengths)
                          "frequencies) but this ModelConfig's positions differ; make it with "
                          "init_cache(cfg, ...) for the same cfg")
     if _is_concrete(cache.length) and _is_concrete(lens):
-        kvc.check_room(cache, jax.device_get(cache.length + lens))
+        cache.kind.check_room(cache, jax.device_get(cache.length + lens))
     return lens
 
 

@@ -35,22 +35,19 @@ def _score(logits, targets):
     return nll, greedy(logits) == targets
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "stepwise"), donate_argnames=("cache",))
-def nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens, stepwise: bool = False):
-    if not stepwise:
-        logits, cache = apply(params, cfg, toks, cache, lens)
-        return _score(logits, targets), cache
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def nll_chunk(params, cfg: ModelConfig, cache, toks, targets, lens):
+    """(NLL, hit) of ``targets`` [B, T] after each token of ``toks``, as the cache's kind scores
+    a chunk (jaxllm.kinds: whole, or one token at a time for a kind that decides what to keep
+    after every token), and the cache after it."""
+    def forward(c, t, n, in_loop):
+        p = params
+        if in_loop:  # tied to a value that changes every step, else XLA widens W8/bf16
+            p, n = loop_weights(params, n)  # weights once, before the loop
+        return apply(p, cfg, t, c, n)
 
-    # Score-based eviction decides after every token, and a chunk would let its tokens see
-    # each other beyond the budget: feed one token at a time (a scan inside the same jit).
-    def step(c, xs):
-        tok, t = xs
-        p, t = loop_weights(params, t)  # else XLA widens W8/bf16 weights before the loop
-        logits, c = apply(p, cfg, tok[:, None], c, (t < lens).astype(jnp.int32))
-        return c, logits[:, 0]
-
-    cache, logits = jax.lax.scan(step, cache, (toks.T, jnp.arange(toks.shape[1])))
-    return _score(logits.transpose(1, 0, 2), targets), cache
+    logits, cache = cache.kind.score(forward, cache, toks, lens)
+    return _score(logits, targets), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -71,8 +68,7 @@ def _cached_nll(params, cfg, tokens, pc: CachePolicy, chunk: int, bar):
         toks = np.zeros((1, C), np.int32)
         tgts = np.zeros((1, C), np.int32)
         toks[0, :m], tgts[0, :m] = tokens[s:s + m], tokens[s + 1:s + 1 + m]
-        (out, ok), cache = nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32),
-                                      stepwise=pc.stepwise)
+        (out, ok), cache = nll_chunk(params, cfg, cache, toks, tgts, np.array([m], np.int32))
         nll[s:s + m], hit[s:s + m] = np.asarray(out)[0, :m], np.asarray(ok)[0, :m]
         bar.update(m)
     return nll, hit

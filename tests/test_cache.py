@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from naive import NaiveStream, _rope, naive_logits
 
 import jaxllm
+from jaxllm.config import Kernels
 import pallas_kernels.cpu
 from jaxllm.model import apply
 
@@ -106,7 +107,7 @@ def test_keys_stored_rotated_or_before_rope_give_the_same_logits():
     differ (dynamic NTK)."""
     cfg, params, S, W = LLAMA, PARAMS["llama"], 2, 5
     a = jaxllm.init_cache(cfg, 2, sinks=S, window=W)
-    b = a.replace(keys_rotated=False)
+    b = a.replace(kind=dataclasses.replace(a.kind, keys_rotated=False))
     assert a.keys_rotated
     rng = np.random.default_rng(11)
     for T in (9, 1, 1, 1, 1, 1, 1, 1):
@@ -133,18 +134,14 @@ DECODE_CASES = {  # (cfg, sinks, window, ring)
 
 
 @pytest.fixture(params=["kernel", "jnp"])
-def attention_path(request, monkeypatch):
-    """A decode step's attention by the CPU kernel (pallas_kernels/csrc/decode_attention.cc;
-    skipped where it is not available) or by the jnp path (what runs where it is not)."""
-    from jaxllm.attention import decode
+def attention_path(request):
+    """The Kernels a decode step's attention runs by: the CPU kernel
+    (pallas_kernels/csrc/decode_attention.cc; skipped where it is not available) or XLA's form
+    (what runs where it is not)."""
     if request.param == "kernel" and not (jax.default_backend() == "cpu"
                                           and pallas_kernels.cpu.attention_available()):
         pytest.skip(f"no decode-attention kernel here: {pallas_kernels.cpu.status()}")
-    if request.param == "jnp":
-        monkeypatch.setattr(decode, "use_attention_kernel", lambda k: False)
-    jax.clear_caches()  # traces made under the other path must not be reused
-    yield request.param
-    jax.clear_caches()
+    return Kernels(attention="auto" if request.param == "kernel" else "materialised")
 
 
 @pytest.mark.parametrize("case", list(DECODE_CASES))
@@ -154,6 +151,7 @@ def test_decode_steps_equal_naive(case, attention_path):
     against the token-by-token naive cache, by the CPU kernel and by the jnp path."""
     cfg, S, W, ring = DECODE_CASES[case]
     params = jaxllm.init_params(cfg, jax.random.key(3))
+    cfg = dataclasses.replace(cfg, kernels=attention_path)
     rng = np.random.default_rng(4)
     cache = jaxllm.init_cache(cfg, 2, sinks=S, window=W, ring=ring)
     streams, got = [[], []], [[], []]
@@ -348,14 +346,14 @@ def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype, attent
     from jaxllm import attention
     from jaxllm.attention.decode import attend_cache
     from jaxllm.rope import inv_freq
-    cfg = CFGS[family]
+    cfg = dataclasses.replace(CFGS[family], kernels=attention_path)
     B, S, W = 2, 2, 13
     cache = jaxllm.init_cache(cfg, B, sinks=S, window=W)
     cache = cache.replace(length=jnp.asarray([S + W, 9], jnp.int32),
                           head=jnp.asarray([4, 7], jnp.int32))
     lay = kvc.chunk_layout(cache, jnp.ones((B,), jnp.int32), 1)
     freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, lay.new_length)
-    plan = attention.plan(cfg, lay, B, 1, S, freq, keys_rotated=cache.keys_rotated)
+    plan = cache.kind.plan(cfg, lay, B, 1, freq)
     rng = np.random.default_rng(0)
     shape = (B * cfg.num_kv_heads, S + W, cfg.head_dim)
     k, v = (jnp.asarray(rng.standard_normal(shape) * 3, dtype) for _ in range(2))

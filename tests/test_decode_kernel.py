@@ -119,7 +119,7 @@ def test_decode_steps_through_the_kernel_equal_the_xla_form(case, monkeypatch):
 
     def run(form):
         c = dataclasses.replace(cfg, kernels=Kernels(attention=form))
-        cache = kvc.init_cache(c, 2, sinks=2, window=window, dtype=dtype, kv_quant=kvq)
+        cache = jaxllm.init_cache(c, 2, sinks=2, window=window, dtype=dtype, kv_quant=kvq)
         cache = apply(params, c, toks[:, :15], cache, jnp.array([15, 9], jnp.int32))[1]
         step = jax.jit(lambda cc, t: apply(params, c, t, cc, jnp.ones((2,), jnp.int32)))
 

@@ -162,7 +162,7 @@ def test_lambda_one_equals_h2o():
         for t in range(20, 36):
             lg, cache = jaxllm.forward(params, cfg, toks[:, t:t + 1], cache)
             logits.append(lg)
-        out.append((np.concatenate(logits, 1), np.asarray(cache.scores[1].acc)))
+        out.append((np.concatenate(logits, 1), np.asarray(cache.state[1].acc)))
     np.testing.assert_array_equal(out[0][0], out[1][0])
     # The two policies compile to different programs, and the scores are sums of attention
     # probabilities: XLA:CPU sums them in one order in both, XLA:GPU picks a reduction's order
@@ -235,7 +235,7 @@ def test_prompt_in_one_chunk_attends_fully_then_keeps_the_top_columns():
         for h in range(cfg.num_kv_heads):
             top = np.sort(np.argsort(-cols[h, :T - R])[:H])
             want = cols[h, np.concatenate([top, np.arange(T - R, T)])]
-            sc = cache.scores[layer]
+            sc = cache.state[layer]
             kept = np.asarray(sc.rank)[0, h] >= 0
             np.testing.assert_allclose(np.asarray(sc.acc)[0, h][kept], want, rtol=1e-5)
 
@@ -258,9 +258,9 @@ def test_generate_in_one_jit_equals_python_loop_without_recompiling():
     assert backend_compiles(again) == []
     # every counter stays below the slot count after 33 tokens through 15 slots
     cache = res.cache
-    ints = [cache.length, cache.head] + [x for s in cache.scores for x in (s.rank, s.free)]
+    ints = [cache.length, cache.head] + [x for s in cache.state for x in (s.rank, s.free)]
     assert all(int(jnp.max(x)) <= cache.capacity for x in ints)
-    assert int(cache.length.max()) == 14 and int(cache.scores[0].rank.max()) == 13
+    assert int(cache.length.max()) == 14 and int(cache.state[0].rank.max()) == 13
 
 
 # ---- budgets and errors ---------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def test_budgets_as_counts_or_fractions():
     assert q.evict_spec() == Evict("qhitter", 150, 50, 70, 0.5)
     assert q.storage.quant == KVQuant("token", bits=4, group=0)
     cache = H2O(sinks=4, cache=132).make_cache(LLAMA, 1, 0)
-    assert cache.capacity == 133 and cache.evict_by == Evict("h2o", 64, 64)
+    assert cache.capacity == 133 and cache.kind.evict == Evict("h2o", 64, 64)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -231,8 +231,9 @@ def test_decode_loops_read_narrow_weights_in_place(weights):
         gen = _generate_jit.lower(*loop_args(p, cfg, jaxllm.SamplingConfig(max_new_tokens=4),
                                              toks, lens, policy.make_cache(cfg, 1, 0),
                                              jax.random.key(0)))
-        nll = nll_chunk.lower(p, cfg, policy.make_cache(cfg, 1, 0), toks, toks, lens,
-                               stepwise=True)
+        # score-based eviction scores one token at a time: the scan
+        nll = nll_chunk.lower(p, cfg, jaxllm.H2O(cache=16).make_cache(cfg, 1, 4), toks, toks,
+                              lens)
         return [f.compile().memory_analysis().temp_size_in_bytes for f in (gen, nll)]
 
     copy = sum(x.nbytes for x in jax.tree.leaves(params))  # a float32 copy of the weights

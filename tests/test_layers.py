@@ -47,7 +47,7 @@ def _hf_inputs(model, x):
 
 def _plan(cfg):
     freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, jnp.full((B,), T))
-    return attention.plan(cfg, None, B, T, 0, freq)
+    return attention.plain.plan(cfg, B, T, freq)
 
 
 def _close(ours, theirs, what):

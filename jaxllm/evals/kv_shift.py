@@ -36,7 +36,7 @@ def _scores(params, cfg: ModelConfig, ids: np.ndarray, kv: KVQuant):
     _, cache = forward(params, cfg, np.asarray(ids, np.int32)[None], cache)
     # nothing is evicted, so slot i holds token i
     return [(np.asarray(s.acc)[0, :, :T], np.asarray(s.err)[0, :, :T].mean(-1))
-            for s in cache.scores]
+            for s in cache.state]
 
 
 def _heavy_set(acc: np.ndarray, heavy: int, recent: int) -> list:

@@ -1,6 +1,6 @@
 """The attention-sink KV cache (StreamingLLM, Xiao et al. 2023, §3.2) as a fixed-shape pytree.
 
-One cache type serves every policy:
+One cache type serves every policy; its kind (jaxllm.kinds, a static field) says which:
 
 * **StreamingLLM** ``S > 0``: the first ``S`` tokens of the stream stay forever in slots
   ``0..S-1``; later tokens go round a ring of ``W`` slots. Token ``t`` is written to slot ``t`` if
@@ -8,9 +8,9 @@ One cache type serves every policy:
 * **window** ``S = 0``: the ring alone.
 * **dense** ``S = 0, W = max length, ring=False``: nothing is ever evicted; writing past the end
   is an error.
-* **H2O / Q-Hitter** (``evict_by``, jaxllm.kv.evict): ``S`` sinks plus ``H + R + 1`` slots whose
+* **H2O / Q-Hitter** (jaxllm.kinds.Scored, jaxllm.kv.evict): ``S`` sinks plus ``H + R + 1`` slots whose
   tokens are chosen by accumulated attention (and quantization error); per-slot scores and
-  positions ride along in ``scores``. The ring arithmetic below does not apply to them.
+  positions ride along in ``state``. The ring arithmetic below does not apply to them.
 
 Semantics (the authors' ``eval_long_ppl.py``, docs/METHODS.md §1): token ``t`` attends to the sinks
 ``0..S-1`` and to tokens ``t-W+1..t``, exactly as if the cache were trimmed to ``S + W`` after every
@@ -50,46 +50,47 @@ and rotate them where they are read.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
-from ..config import ModelConfig
-from .evict import KIVI_BREAKS, Evict, empty_scores
 from ..bits import to_bits
+from ..config import ModelConfig
 from . import stores
-from .kivi import empty_kivi
-from .quantized import KVQuant, empty_store
 from .stores import Bf16Bits
 
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys (pre-RoPE, or rotated at their slot's position when ``keys_rotated``) and
-    values plus per-row ring counters.
+    """Per-layer keys (pre-RoPE, or rotated at their slot's position when the kind's
+    ``keys_rotated``) and values plus per-row ring counters.
 
-    ``k[l]``, ``v[l]``: [B, kv_heads, S+W, head_dim] (head-major, so each head's keys are one
-    contiguous matrix for the score and value products); slots ``0..S-1`` hold the sinks,
-    ``S..S+W-1`` the ring. ``length`` [B]: number of filled slots (= tokens seen, saturating at
-    S+W).
-    ``head`` [B]: ring offset the next non-sink token is written to.
-    ``scores`` (score-based eviction only, ``evict_by`` set): per layer, jaxllm.kv.evict.Scores;
-    ``length`` then counts the kept tokens (saturating at ``capacity - 1``), ``head`` is unused.
+    ``k[l]``, ``v[l]``: [B, kv_heads, C, head_dim] (head-major, so each head's keys are one
+    contiguous matrix for the score and value products), or a store of that shape
+    (jaxllm.kv.stores); slots ``0..S-1`` hold the sinks, ``S..C-1`` the ring. ``length`` [B]:
+    number of filled slots (= tokens seen, saturating at C). ``head`` [B]: ring offset the next
+    non-sink token is written to. ``kind`` (static): what the cache keeps and how a chunk goes
+    through it (jaxllm.kinds). ``state``: per layer, the kind's own state beside the keys and
+    values (score-based eviction's jaxllm.kv.evict.Scores), else empty.
     """
 
     k: tuple  # per layer: Float[Array, "b n c h"], or a store of that shape (Bf16Bits, kvquant)
     v: tuple
     length: Int[Array, " b"]
     head: Int[Array, " b"]
-    sinks: int = struct.field(pytree_node=False)
-    ring: bool = struct.field(pytree_node=False, default=True)  # False: dense, never overwrites
-    scores: tuple = ()  # per layer: evict.Scores (score-based caches), else empty
-    evict_by: Optional[Evict] = struct.field(pytree_node=False, default=None)
-    keys_rotated: bool = struct.field(pytree_node=False, default=False)  # see the module's note
+    kind: Any = struct.field(pytree_node=False)  # a jaxllm.kinds.CacheKind
+    state: tuple = ()
+
+    @property
+    def sinks(self) -> int:
+        return self.kind.sinks
+
+    @property
+    def keys_rotated(self) -> bool:
+        return self.kind.keys_rotated
 
     @property
     def capacity(self) -> int:
@@ -121,22 +122,10 @@ def available_bytes():
     return None
 
 
-def check_room(cache: KVCache, need) -> None:
-    """A dense cache (``ring=False``) must hold what is written to it: ``need`` [B] tokens per
-    row (concrete). Streaming caches evict, so they always have room."""
-    need = np.asarray(need)
-    if not cache.ring and (need > cache.capacity).any():
-        raise ValueError(f"dense cache overflow: a row would hold {int(need.max())} tokens but "
-                         f"the cache has {cache.capacity} slots; make a larger dense cache or "
-                         f"use a streaming cache (init_cache(cfg, B, sinks=4, window=W))")
-
-
-def rotates_keys(cfg: ModelConfig, kv_quant: Optional[KVQuant] = None,
-                 evict_by: Optional[Evict] = None) -> bool:
-    """Whether a cache for ``cfg`` stores its keys rotated at their slot's position (the module's
-    note): RoPE models with float caches and ring slots, whose frequencies never change."""
-    return (cfg.pos_emb == "rope" and cfg.rotary_dim > 0 and evict_by is None
-            and (kv_quant is None or not kv_quant.enabled)
+def rotates_keys(cfg: ModelConfig) -> bool:
+    """Whether a float cache for ``cfg`` may store its keys rotated at their slot's position
+    (the module's note): RoPE models whose frequencies never change (not dynamic NTK)."""
+    return (cfg.pos_emb == "rope" and cfg.rotary_dim > 0
             and (cfg.rope_scaling is None or cfg.rope_scaling.kind != "dynamic"))
 
 
@@ -145,80 +134,6 @@ def slot_positions(S: int, W: int) -> Int[Array, " c"]:
     ``i`` (a constant: the position belongs to the slot, not to the token in it)."""
     s = jnp.arange(S + W, dtype=jnp.int32)
     return jnp.where(s < S, s, s - S - W)
-
-
-def _as_int(x, name: str) -> int:
-    """Python and numpy integers alike (np.int64(2) is a fine batch size); never a float."""
-    import numbers
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {x!r}")
-    return int(x)
-
-
-def init_cache(cfg: ModelConfig, batch: int, sinks: int = 4, window: int = 1020, *,
-               ring: bool = True, dtype=jnp.float32,
-               kv_quant: Optional[KVQuant] = None, evict_by: Optional[Evict] = None
-               ) -> KVCache:
-    """An empty cache of ``sinks + window`` slots per row.
-
-    ``init_cache(cfg, B, sinks=4, window=1020)`` is StreamingLLM's 4+1020 cache;
-    ``sinks=0`` gives window attention; ``sinks=0, window=L, ring=False`` a dense cache of L tokens.
-    ``dtype``: float32, bfloat16 or float16; a bfloat16 cache on CPU keeps its layers as their
-    uint16 bits (:class:`Bf16Bits`: XLA:CPU's bfloat16 ops are slow), elsewhere as bfloat16.
-    ``kv_quant``: store keys and values in int8 or k-bit codes (jaxllm.kv.quantized; the sinks stay in
-    ``dtype``), for any of these policies.
-    ``evict_by``: H2O or Q-Hitter (jaxllm.kv.evict) keeping ``sinks + heavy + recent`` tokens; the
-    window is then ``heavy + recent + 1`` (the extra slot takes each new token) and ``window``
-    is ignored.
-    """
-    if evict_by is not None:
-        window = evict_by.heavy + evict_by.recent + 1
-        if kv_quant is not None and kv_quant.format == "kivi":
-            raise ValueError(f"{KIVI_BREAKS}: store keys and values as KVQuant('token') or "
-                             f"KVQuant('int8') with H2O or Q-Hitter")
-    batch, sinks, window = (_as_int(x, n) for x, n in ((batch, "batch"), (sinks, "sinks"),
-                                                         (window, "window")))
-    if batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
-    if sinks < 0:
-        raise ValueError(f"sinks must be a non-negative int (0 for window attention), got {sinks!r}")
-    if window < 1:
-        raise ValueError(f"window must be an int >= 1 (the number of recent tokens kept), "
-                         f"got {window!r}")
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise ValueError(f"the KV cache stores keys and values in a float dtype (float32, "
-                         f"bfloat16, float16), got {jnp.dtype(dtype).name}: an integer cache would "
-                         f"silently round them")
-    kv_quant = kv_quant or KVQuant()
-    shape = (batch, cfg.num_kv_heads, sinks + window, cfg.head_dim)
-
-    def layer(values: bool = False):
-        if not kv_quant.enabled:
-            if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
-                return Bf16Bits(jnp.zeros(shape, jnp.uint16))  # see Bf16Bits
-            return jnp.zeros(shape, dtype)
-        if kv_quant.format == "kivi":
-            return empty_kivi(kv_quant, batch, cfg.num_kv_heads, sinks + window, sinks,
-                              cfg.head_dim, dtype, values)
-        return empty_store(kv_quant, batch, cfg.num_kv_heads, sinks + window, sinks,
-                           cfg.head_dim, dtype)
-
-    kv_quant.check(cfg.head_dim)  # bad settings are named before any allocation
-    need = cfg.num_layers * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
-        jax.eval_shape(lambda: (layer(), layer(True)))))
-    have = available_bytes()
-    if have is not None and need > have:
-        raise ValueError(f"a cache of {sinks}+{window} slots x batch {batch} needs "
-                         f"{need / 2**30:.1f} GiB for its keys and values, but only "
-                         f"{have / 2**30:.1f} GiB are free on {jax.devices()[0].device_kind}: use "
-                         f"a smaller cache (window) or batch")
-    scores = () if evict_by is None else tuple(
-        empty_scores(batch, cfg.num_kv_heads, sinks + window) for _ in range(cfg.num_layers))
-    return KVCache(k=tuple(layer() for _ in range(cfg.num_layers)),
-                   v=tuple(layer(True) for _ in range(cfg.num_layers)),
-                   length=jnp.zeros((batch,), jnp.int32), head=jnp.zeros((batch,), jnp.int32),
-                   sinks=sinks, ring=ring, scores=scores, evict_by=evict_by,
-                   keys_rotated=rotates_keys(cfg, kv_quant, evict_by))
 
 
 def kv_bytes(cache: KVCache) -> int:
@@ -242,7 +157,7 @@ class ChunkLayout(NamedTuple):
     store_pos: Int[Array, "b t"]  # position of that slot (slot_positions; 0 if dropped)
     new_length: Int[Array, " b"]
     new_head: Int[Array, " b"]
-    overflow: Bool[Array, " b"]  # dense cache asked to hold more than it can
+    overflow: Bool[Array, " b"]  # a dense cache asked to hold more than it can (kinds.Dense)
     # For stores that quantize by stream order (KIVI): the state before the chunk and each
     # chunk token's rank among its non-sink tokens (-1: a sink or padding).
     old_head: Int[Array, " b"]
@@ -313,7 +228,7 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
     n_nonsink = jnp.maximum(lens - n_sink_in_chunk, 0)
     new_head = jnp.mod(head + n_nonsink, W)[:, 0]
     new_length = jnp.minimum(length + lens, S + W)[:, 0]
-    overflow = (length + lens > S + W)[:, 0] if not cache.ring else jnp.zeros((B,), bool)
+    overflow = jnp.zeros((B,), bool)  # a ring always has room (a dense kind says otherwise)
     return ChunkLayout(sink_from_chunk, sink_chunk_idx, sink_mask, sink_q_pos, rest_mask,
                        ring_k_pos, jnp.broadcast_to(c, (B, T)), rest_q_pos, write_slot,
                        store_pos, new_length, new_head, overflow, old_head=head[:, 0],

@@ -71,7 +71,6 @@ class _View:
     def dtype(self):
         return self.sinks.dtype
 
-    reads_before_write = True  # a step reads the pre-step state, then quantizes
 
     def stored(self, chunk):
         return chunk.astype(self.dtype)  # a step attends to its own tokens in full precision

@@ -226,7 +226,6 @@ class QStore(_Slots):
             q = pack(q, self.spec.bits)
         return q, s, o
 
-    reads_before_write = False  # a decode step may write its token first, then read
 
     def read(self, lay=None) -> Float[Array, "b n c h"]:
         """Every slot dequantized, the sink slots in full precision."""

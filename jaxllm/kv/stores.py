@@ -8,8 +8,7 @@ holds. Every format answers:
   rows)`` places the rows (the ring's slots, jaxllm.kv.cache.write_chunk, or score-based
   eviction's free slot);
 * ``select(chunk, idx)``: the format holding, in slot i, entry ``idx`` of [slots | chunk]
-  (score-based compression);
-* ``reads_before_write``: whether a decode step must read before it writes (KIVI).
+  (score-based compression).
 
 Formats: :class:`FloatStore` (a float array; the cache keeps the bare array, this wraps it for
 the protocol), :class:`Bf16Bits` (a bfloat16 cache on CPU), and jaxllm.kv.quantized's int8,
@@ -28,8 +27,6 @@ from .quantized import round_to
 
 class FloatStore:
     """A float array (float32, bfloat16, float16) as a store."""
-
-    reads_before_write = False
 
     def __init__(self, array: Float[Array, "b n c h"]):
         self.array = array
@@ -70,8 +67,6 @@ class Bf16Bits:
 
     bits: UInt16[Array, "b n c h"]
 
-    reads_before_write = False
-
     @property
     def shape(self) -> tuple:
         return self.bits.shape
@@ -103,12 +98,6 @@ def read(layer_kv, lay) -> Float[Array, "b n c h"]:
     """A layer's keys or values as attention reads them: the float array, or a store decoded
     (a quantized store's sink slots, and KIVI's residual, in full precision)."""
     return store(layer_kv).read(lay)
-
-
-def reads_before_write(layer_kv) -> bool:
-    """KIVI attends to the state before a step and quantizes after it, so even a decode step
-    must read the cache before writing its token."""
-    return store(layer_kv).reads_before_write
 
 
 def as_stored(layer_kv, chunk: Float[Array, "b n t h"]) -> Float[Array, "b n t h"]:

@@ -13,8 +13,9 @@ takes one::
     QHitter(cache=256, lam=0.5)                      # and 4-bit per-token storage
 
 A new method is one module here with its variant and one entry in :data:`METHODS` (the CLI's
-``--method`` reads it); the class attributes ``streams``, ``stepwise`` and ``keeps_cache`` tell
-the rest of jaxllm how to run it. :func:`policy_of` builds a variant from a method name and the
+``--method`` reads it); its ``make_cache`` picks the cache's kind (jaxllm.kinds), which says
+how a chunk goes through the cache, and the class attributes ``streams`` and ``keeps_cache``
+say which commands offer it. :func:`policy_of` builds a variant from a method name and the
 settings a user gave, refusing those the method does not have by name.
 """
 from __future__ import annotations

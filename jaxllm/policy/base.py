@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from ..argtypes import BUDGET, FRACTION
 from ..config import ModelConfig
 from ..errors import P, SettingError
-from ..kv.cache import KVCache, init_cache
+from ..kinds import init_cache
+from ..kv.cache import KVCache
 from ..kv.quantized import KVQuant
 from ..positions import check_positions
 
@@ -56,7 +57,6 @@ class CachePolicy:
     name: ClassVar[str]  # the --method value
     title: ClassVar[str]  # its name in labels
     streams: ClassVar[bool] = True  # renumbers tokens by their place in the cache
-    stepwise: ClassVar[bool] = False  # decides what to keep after every token
     keeps_cache: ClassVar[bool] = True  # False: re-runs the model on every window
     sinks: int = 0  # the variants without a sinks field keep none
     storage: Optional[KVStorage] = None  # the variants that keep a cache declare theirs

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ModelConfig
-from ..kv.cache import KVCache, init_cache
+from ..kinds import init_cache
+from ..kv.cache import KVCache
 from ..positions import check_positions
 from .base import CachePolicy, KVStorage
 

@@ -13,7 +13,8 @@ from typing import ClassVar, Optional
 from ..argtypes import is_budget
 from ..config import ModelConfig
 from ..errors import P, SettingError
-from ..kv.cache import KVCache, init_cache
+from ..kinds import init_cache
+from ..kv.cache import KVCache
 from ..kv.evict import KIVI_BREAKS, Evict
 from ..kv.quantized import KVQuant
 from .base import CachePolicy, KVStorage, setting
@@ -36,7 +37,6 @@ class H2O(CachePolicy):
     storage: KVStorage = KVStorage()
     name = "h2o"
     title = "H2O"
-    stepwise = True  # decides after every token
     share = 0.5  # of the non-sink slots, heavy hitters' when no budget is given
     budgets: ClassVar[tuple] = ("heavy", "recent")  # the settings that may be fractions
 

@@ -69,11 +69,13 @@ def test_kernel_is_softmax_attention(case, dtype):
     pick = rng.integers(-1, R, size=(B, C)).astype(np.int32)
     pick[:, 0] = 0  # at least one slot kept per row (a decode step keeps its own token)
     if B > 1:
-        pick[-1] = -1  # and one row with every slot masked: uniform, as the jnp path gives
+        pick[-1] = -1  # and one row with every slot masked (a pool's idle row): nothing read
     dist = rng.integers(0, 300, size=(B, C)).astype(np.int32) if alibi else None
     slopes = rng.uniform(0, 0.1, size=(N, G)).astype(np.float32) if alibi else None
     want = attention64(k.astype(np.float32), v.astype(np.float32), q, pick, G, dist, slopes,
                        zero_sink)
+    if B > 1:
+        want[-KVH:] = 0.0  # the masked row's output: 0 (no value weighted)
     if dtype == "bfloat16 bits":  # a bfloat16 cache on CPU (jaxllm.kv.stores.Bf16Bits)
         k, v = k.view(np.uint16), v.view(np.uint16)
     got = jax.jit(cpu.decode_attention, static_argnums=4, static_argnames="zero_sink")(

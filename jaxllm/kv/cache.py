@@ -296,6 +296,9 @@ def token_view(lay: ChunkLayout, S: int) -> TokenView:
     written = (slot == lay.write_slot[:, :1])[:, None, :]  # [B, 1, C]
     rest = jnp.where(written, lay.rest_mask[..., C:C + 1], lay.rest_mask[..., :C])
     mask = jnp.concatenate([lay.sink_mask, rest[..., S:]], axis=-1)
+    # A row with no token this step (lens 0: a pool's idle row) sees nothing, so the decode
+    # kernel reads none of its cache; its output is meaningless and never used.
+    mask = mask & (lay.write_slot[:, :1] < C)[:, :, None]
     return TokenView(q_pos, k_pos, pick, dist, mask)
 
 

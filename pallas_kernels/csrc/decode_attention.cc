@@ -16,6 +16,9 @@
 //   p = softmax over c (with one more score 0 of value 0 when zero_sink: softmax-off-by-one)
 //   out[n, g] = sum_c p[g, c] v[n, c]
 //
+//   A masked slot's key and value are never read; a row with every slot masked (an idle row of
+//   a serving pool, jaxllm.serve) reads nothing and gives 0.
+//
 // Why: XLA:CPU scores a few query rows against the keys with YNNPACK and weights the values with
 // a second product, reading a float32 cache at 6-14 GB/s here and a 2-byte one after widening it
 // into float32 copies (docs/BENCHMARKS.md, "KV cache passes"). Here each head's keys are read
@@ -252,6 +255,7 @@ void chunk(const Args& a, int64_t n, int64_t c0, int64_t c1, float* s, float* pa
       for (int64_t j = 0; j < jn; ++j) acc[j] = I::zero();
       const float* eg = s + g * L;
       for (int64_t c = 0; c < L; ++c) {
+        if (pick[c] < 0) continue;  // a masked slot's value is not read (its weight is 0)
         const V e = I::set1(eg[c]);
         const char* vr = vb + (c * D + j0 * W) * esize;
         for (int64_t j = 0; j < jn; ++j)

@@ -18,12 +18,13 @@ from .eval import add_eval
 from .generate import add_generate
 from .ppl import add_ppl
 from .quantize import add_quantize
+from .serve import add_serve
 
 # What the train and convert packages (and scripts) use from the command line.
 __all__ = ["COMMANDS", "DEFAULT_MODEL", "MODEL_HELP", "OVERWRITE_HELP", "CliError", "Parser",
            "build_parser", "check_out", "load", "main", "parse", "seed_int", "sources"]
 
-COMMANDS = (add_chat, add_ppl, add_demo, add_generate, add_quantize, add_eval)
+COMMANDS = (add_chat, add_ppl, add_demo, add_generate, add_quantize, add_eval, add_serve)
 
 
 def plugin_commands() -> list:

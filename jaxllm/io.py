@@ -420,6 +420,17 @@ def reader_for(path: str) -> Optional[ModelReader]:
     return next((r for r in model_readers() if r.detect(path)), None)
 
 
+def holds_blocks(spec: str) -> bool:
+    """Whether ``spec`` (a packaged model's name or a path) is a GGUF file, whose 4- and 8-bit
+    blocks ``load_model(..., keep_quantized=True)`` can keep."""
+    if spec in PACKAGED:
+        return True
+    if spec in EMBEDDED or spec.startswith("random:") or not os.path.isfile(spec):
+        return False
+    reader = reader_for(spec)
+    return reader is not None and reader.name == "GGUF"
+
+
 def load_model(spec: str, sharding=None, keep_quantized: bool = False
                ) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
     """``(cfg, params, tokenizer)`` from a packaged model (``smollm2``), a GGUF file, a jaxllm

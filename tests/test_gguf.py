@@ -539,3 +539,16 @@ def test_a_layer_count_beyond_the_file_is_refused_at_once(tmp_path):
     with pytest.raises(ValueError, match="the config says 2,147,483,647 layers, but there are "
                                          "only 12 tensors"):
         jg.from_gguf(str(path))
+
+
+def test_the_decoding_commands_keep_a_gguf_files_blocks_by_default():
+    """chat, generate and serve load a GGUF file's 4- and 8-bit blocks unless --weights names
+    a float dtype; other models, and the other commands, load as before."""
+    from jaxllm.cli.common import load
+    from jaxllm.lowbit import QLowBit
+    kinds = lambda params: {type(x).__name__ for x in jax.tree.leaves(  # noqa: E731
+        params, is_leaf=lambda x: isinstance(x, QLowBit))}
+    assert "QLowBit" in kinds(load("smollm2", file_blocks=True)[1])
+    assert "QLowBit" not in kinds(load("smollm2", weights="float32", file_blocks=True)[1])
+    assert "QLowBit" not in kinds(load("smollm2")[1])
+    assert "QLowBit" not in kinds(load("embedded", file_blocks=True)[1])

@@ -32,14 +32,15 @@ def add_chat(sub) -> None:
                    help="after each answer, also print what the cache holds")
     add_policy_args(p, methods=[m for m, c in METHODS.items() if c.keeps_cache and c.streams],
                     chunk=False)
-    add_weights_arg(p)
+    add_weights_arg(p, file_blocks=True)
     p.set_defaults(fn=cmd_chat)
 
 
 def cmd_chat(a) -> None:
     from ..chat import Chat
     pc = policy(a)
-    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
+    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
+                            file_blocks=True)
     cache, capacity = streaming_cache(a, cfg, pc)
     try:
         c = Chat(params, cfg, tok, cache, sampling(a, tok), seed_key(a.seed), system=a.system,

@@ -167,32 +167,42 @@ WEIGHTS_HELP = ("weights as stored, or kept [out, in] for decoding in float32, b
                 "docs/CPU.md, \"Weights for decoding\")")
 
 
-def add_weights_arg(p: argparse.ArgumentParser) -> None:
+def add_weights_arg(p: argparse.ArgumentParser, file_blocks: bool = False) -> None:
+    """--weights and --keep-quantized; ``file_blocks``: a GGUF file's blocks kept by default
+    (:func:`load`)."""
     p.add_argument("--weights", default="stored",
-                   choices=["stored", "float32", "bfloat16", "float16"], help=WEIGHTS_HELP)
-    add_keep_quantized_arg(p)
+                   choices=["stored", "float32", "bfloat16", "float16"],
+                   help=WEIGHTS_HELP + ("; stored keeps a GGUF file's own 4- and 8-bit blocks "
+                                        "(--weights float32 for float weights)"
+                                        if file_blocks else ""))
+    add_keep_quantized_arg(p, file_blocks)
 
 
-def add_keep_quantized_arg(p: argparse.ArgumentParser) -> None:
+def add_keep_quantized_arg(p: argparse.ArgumentParser, default: bool = False) -> None:
     p.add_argument("--keep-quantized", action="store_true",
                    help="a GGUF file's Q4_0/Q4_1/Q8_0 linears as 4- and 8-bit weights (the "
-                        "file's codes, never dequantized; jaxllm.lowbit) instead of float32")
+                        "file's codes, never dequantized; jaxllm.lowbit) instead of float32" +
+                        (" (the default here with --weights stored)" if default else ""))
 
 
 def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
-         keep_quantized: bool = False):
+         keep_quantized: bool = False, file_blocks: bool = False):
     """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError.
     ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`;
-    ``keep_quantized``: a GGUF file's 4- and 8-bit linears kept as they are."""
+    ``keep_quantized``: a GGUF file's 4- and 8-bit linears kept as they are; ``file_blocks``:
+    so by default with ``weights`` "stored" (the commands that decode: chat, generate, serve;
+    twice float32's decode speed on a CPU, docs/CPU.md)."""
     import time
 
     import jax
 
-    from ..io import TOKENIZER_DIR, load_model, reader_for
+    from ..io import TOKENIZER_DIR, holds_blocks, load_model, reader_for
     from ..quant import decode_weights
     if keep_quantized and weights != "stored":
         raise CliError(f"--weights {weights} converts float weights; --keep-quantized keeps "
                        f"the file's codes: give one of them")
+    keep_quantized = keep_quantized or (file_blocks and weights == "stored"
+                                        and holds_blocks(model))
     from ..progress import say
     say(f"loading {model} ...")
     t0 = time.perf_counter()

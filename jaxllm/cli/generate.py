@@ -25,7 +25,7 @@ def add_generate(sub) -> None:
     # A cache that streams: generation runs past any fixed length.
     add_policy_args(p, methods=[m for m, c in METHODS.items() if c.keeps_cache and c.streams],
                     chunk=False)
-    add_weights_arg(p)
+    add_weights_arg(p, file_blocks=True)
     p.set_defaults(fn=cmd_generate)
 
 
@@ -45,7 +45,8 @@ def cmd_generate(a) -> None:
     from ..generate import generate
     texts = prompts(a)
     pc = policy(a)
-    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
+    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
+                            file_blocks=True)
     sc = sampling(a, tok)
     cache, _ = streaming_cache(a, cfg, pc, len(tok.encode(texts[0])))
     key = seed_key(a.seed)

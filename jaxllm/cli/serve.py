@@ -40,7 +40,7 @@ def add_serve(sub) -> None:
     p.add_argument("--name", default=None, help="the model id clients name (default: --model)")
     add_policy_args(p, methods=[m for m, c in METHODS.items() if c.keeps_cache and c.streams],
                     chunk=False)
-    add_weights_arg(p)
+    add_weights_arg(p, file_blocks=True)
     p.set_defaults(fn=cmd_serve)
 
 
@@ -52,7 +52,8 @@ def cmd_serve(a) -> None:
                        "starlette") from None
     from ..serve import Engine, make_app
     pc = policy(a)
-    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
+    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
+                            file_blocks=True)
     try:
         engine = Engine(params, cfg, tok, pc, slots=a.slots, max_queue=a.max_queue,
                         max_sessions=a.max_sessions, session_ttl=a.session_ttl,

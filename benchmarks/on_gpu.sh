@@ -14,10 +14,12 @@
 #                                       # by the stored-format kernel and by the XLA form; each
 #                                       # row's top kernels in profile_decode.md (_profile.py)
 #   bash benchmarks/on_gpu.sh decode2   # gpu_decode.py: W8A8 / W8 / 4-bit weights, transformers
+#   bash benchmarks/on_gpu.sh serve     # serve.py at Llama-2-7B shapes (random weights): pools of
+#                                       # 8 and 32 rows of 4+1020, 128 rows of 4+252
 #   STEPS=N bash benchmarks/on_gpu.sh train   # the sink-token twins at the gpu-6m recipe
 #   STEPS=N bash benchmarks/on_gpu.sh sinks   # the three sink variants at the gpu-sinks recipe
 set -u
-STAGE=${1:?stage: suite, kernels, decode, decode2, bench, train or sinks}
+STAGE=${1:?stage: suite, kernels, decode, decode2, serve, bench, train or sinks}
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
   | grep -oiE "[A-Z][0-9]{3}" | head -1 | tr 'A-Z' 'a-z')
 OUT=${OUT:-docs/gpu/$(date +%F)-${DEVICE:-gpu}}
@@ -115,6 +117,15 @@ sinks)
   done
   ls -la "$OUT"
   ;;
-*) echo "unknown stage $STAGE (suite, kernels, decode, decode2, bench, train or sinks)"; exit 2;;
+serve)
+  for spec in "8 1024 1,8" "32 1024 8,32" "128 256 32,128"; do
+    set -- $spec
+    step "serving engine, llama2-7b shapes, $1 rows of 4+$(( $2 - 4 )), streams $3"
+    timeout $(( $(left) / 2 )) $PY benchmarks/serve.py --model random:llama2-7b --slots $1 \
+      --cache $2 --streams $3 --tokens 32 --long 2048 --turns 0 >> "$OUT/serve.log" 2>&1
+    tail -6 "$OUT/serve.log"
+  done
+  ;;
+*) echo "unknown stage $STAGE (suite, kernels, decode, decode2, serve, bench, train or sinks)"; exit 2;;
 esac
 step done

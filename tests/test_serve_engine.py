@@ -171,3 +171,72 @@ def test_idle_sessions_expire_and_the_newest_are_kept():
     run(engine, [Request(prompt="hi", sampling=greedy(2), session="d")])
     assert list(engine.sessions) == ["d"]
     assert engine.snapshot()["sessions_expired"] == 3
+
+
+@pytest.mark.parametrize("policy", [
+    jaxllm.Window(cache=24),
+    jaxllm.StreamingLLM(2, 40, jaxllm.KVStorage(quant=jaxllm.KVQuant("int8"))),
+    jaxllm.H2O(sinks=1, cache=30),
+], ids=["window", "int8 KV", "H2O"])
+def test_every_streaming_policy_serves_a_pool_as_alone(policy):
+    reqs = lambda: [Request(prompt=p, sampling=greedy(10)) for p in PROMPTS[:3]]  # noqa: E731
+    together = run(Engine(PARAMS, CFG, TOK, policy, slots=2), reqs())
+    alone = run(Engine(PARAMS, CFG, TOK, policy, slots=2), reqs(), all_at_once=False)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_a_bounded_load_ends_complete_and_idle():
+    """12 sessions x 4 turns against 3 rows, turns submitted as the previous ones end (more
+    sessions than rows: rows go to host memory and back), a few cancelled on the way: every
+    answer that was not cancelled is complete, its streamed pieces add up to its text (no
+    piece lost or repeated), every session's second and later turns fed only their own
+    tokens, and the engine ends idle with no more sessions on the host than sessions."""
+    rng = np.random.default_rng(0)
+    engine = Engine(PARAMS, CFG, TOK, POLICY, slots=3, max_queue=100)
+    pieces, results, turns = {}, {}, {}
+    pending = {f"s{j}": 0 for j in range(12)}
+    live = {}
+
+    def submit(name):
+        k = (name, pending[name])
+        prompt = f" turn {k[1]} of {name}."
+        r = Request(prompt=prompt, sampling=greedy(int(rng.integers(1, 9))), session=name)
+
+        def emit(ev, k=k):
+            assert ev[0] != "error", ev
+            if ev[0] == "text":
+                pieces.setdefault(k, []).append(ev[1])
+            else:
+                results[k] = ev[1]
+        r.emit = emit
+        turns[k] = len(TOK.encode(prompt))
+        engine.submit(r)
+        live[name] = r
+
+    for name in pending:
+        submit(name)
+    cancelled = set()
+    while live:
+        engine.iterate()
+        for name, r in list(live.items()):
+            k = (name, pending[name])
+            if k not in results and rng.random() < 0.01 and name not in cancelled:
+                r.cancel()
+                cancelled.add(name)
+            if k in results:
+                del live[name]
+                pending[name] += 1
+                if pending[name] < 4:
+                    submit(name)
+    assert len(results) == 48
+    for k, res in results.items():
+        if res.finish_reason == "cancelled":
+            continue
+        assert "".join(pieces.get(k, [])) == res.text
+        assert res.finish_reason in ("stop", "length")
+        assert res.prompt_tokens == turns[k]  # a turn feeds its own tokens only
+    assert cancelled  # the load did include cancellations
+    snap = engine.snapshot()
+    assert snap["rows_busy"] == 0 and snap["queue"] == 0
+    assert snap["sessions"] == 12 and snap["sessions_on_host"] <= 12 - 3  # 3 held in rows
+    assert snap["finished"] == 48 and snap["sessions_saved"] >= 1

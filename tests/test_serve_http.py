@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -140,6 +141,16 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     code, out, _ = post(server, "/v1/chat/completions", None if isinstance(body, bytes) else body,
                         raw=body if isinstance(body, bytes) else None)
     assert code == status and out["error"]["param"] == param and out["error"]["message"]
+
+
+def test_the_readmes_client_example_runs(server, capsys):
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = re.search(r"```py\n(.*?)```", readme, re.S).group(1)
+    code = block.replace("http://127.0.0.1:8000", server).replace('api_key="none"',
+                                                                   f'api_key="{KEY}"')
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "'id': 'ada'" in out and "'reencoded': False" in out
 
 
 def test_an_oversize_prompt_is_refused(server):

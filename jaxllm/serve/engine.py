@@ -323,7 +323,9 @@ class Engine:
             self.queue.clear()
         later = []
         for r in waiting:
-            if r.cancelled:
+            if r.cancelled:  # gone before it had a row
+                self.stats["finished"] += 1
+                r.emit(("done", Result("", [], 0, 0, "cancelled", r.session)))
                 continue
             try:
                 if not self._place(r):
@@ -487,7 +489,11 @@ class Engine:
         self.rows[i] = None
         ended = bool(r.out) and r.out[-1] == self.tok.eos_id
         body = r.out[:-1] if ended else r.out
-        text = r.shown.text(r.cut)  # exactly what was streamed
+        text = r.shown.text(r.cut)
+        if reason != "cancelled" and len(text) > r.shown.shown:
+            # What was held back (a tail that might have begun a stop string, a character
+            # whose bytes had not all come) is the answer's now: the pieces add up to the text.
+            r.emit(("text", text[r.shown.shown:]))
         s = self.sessions.get(r.session) if r.session is not None else None
         if s is not None:
             s.busy, s.used = False, time.monotonic()

@@ -143,14 +143,22 @@ def long_prompt(engine: Engine, a) -> str:
             f"{pct(during, 99)} s at p99 (before it: {pct(before, 50)} / {pct(before, 99)} s).")
 
 
-def rss_mib() -> float:
+def rss_mib(trim: bool = False) -> float:
+    """This process's resident memory; ``trim``: after the C allocator has handed back what is
+    freed (glibc's malloc_trim; a saved row replaced on every save otherwise stays resident as
+    free heap), so what is left is memory in use."""
+    if trim:
+        import ctypes
+        import gc
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def soak(engine: Engine, a) -> str:
     msgs, on_topic, rss0, restored, fed = [], 0, rss_mib(), 0, []
-    rss10 = rss0
+    rss10 = trim10 = rss0
     for turn in range(a.turns):
         topic, words = TOPICS[turn % len(TOPICS)]
         msgs.append({"role": "user", "content": f"Say one short thing about {topic}."})
@@ -170,12 +178,15 @@ def soak(engine: Engine, a) -> str:
                                          sampling=Sampling(max_tokens=2)))
                 drive(engine, c2, [0])
         if turn == 9:
-            rss10 = rss_mib()
+            rss10, trim10 = rss_mib(), rss_mib(trim=True)
     return (f"Soak: {a.turns} turns of one session (StreamingLLM keeps its row at "
             f"{engine.cache.capacity} slots however long it gets; "
-            f"{sum(fed)} prompt tokens fed in all, {int(np.median(fed))} a turn at the median, the first "
+            f"{sum(fed)} prompt tokens fed in all, {int(np.median(fed))} a turn at the median, "
+            f"the first "
             f"{fed[0]}), restored from host memory {restored} times: host RSS {rss0:.0f} MiB "
-            f"before, {rss10:.0f} after 10 turns, {rss_mib():.0f} after {a.turns}; "
+            f"before, {rss10:.0f} after 10 turns, {rss_mib():.0f} after {a.turns}; in use (RSS "
+            f"after malloc_trim) {trim10:.0f} MiB after 10 turns, {rss_mib(trim=True):.0f} after "
+            f"{a.turns}; "
             f"{on_topic} of {a.turns} answers name their topic (a keyword check).")
 
 
@@ -192,6 +203,8 @@ def main():
     ap.add_argument("--turns", type=int, default=100)
     ap.add_argument("--float", action="store_true", help="float32 weights (default: the "
                                                          "file's 4-bit blocks)")
+    ap.add_argument("--parts", default="concurrency,long,soak",
+                    help="which of concurrency, long, soak to run (soak is recorded apart)")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
     a.counts = [int(x) for x in a.streams.split(",")]
@@ -200,22 +213,24 @@ def main():
     engine = Engine(params, cfg, tok, jaxllm.StreamingLLM(4, a.cache), slots=a.slots,
                     max_prompt=max(a.long, 4096))
     engine.warm_up()
-    lines = concurrency(engine, a)
-    notes = [long_prompt(engine, a)]
-    print(notes[-1], flush=True)
-    if a.turns and getattr(tok, "has_chat_template", False):
-        notes.append(soak(engine, a))
-        print(notes[-1], flush=True)
+    parts = a.parts.split(",")
     weights = "the file's 4-bit blocks (Q4_1, Q8_0 embedding)" if blocks else "float32"
-    record(f"Serving: concurrent streams ({a.model}, {'4-bit' if blocks else 'float32'}, "
-           f"{a.slots} rows)",
-           "\n".join(lines),
-           f"jaxllm.serve.Engine in one process, {a.slots} rows of StreamingLLM 4+{a.cache - 4}, "
-           f"weights {weights}; greedy chat answers of up to {a.tokens} tokens to different "
-           f"questions submitted together (over {a.slots}: queued). 'decode tokens/s': over the "
-           f"time in decode steps alone; 'between tokens': the gaps between a stream's pieces "
-           f"of text; 'same as alone': every answer's tokens equal the same request served by "
-           f"itself.\n\n" + "\n\n".join(notes), dry=a.no_record)
+    setup = (f"jaxllm.serve.Engine in one process, {a.slots} rows of StreamingLLM "
+             f"4+{a.cache - 4}, weights {weights}")
+    if "concurrency" in parts:
+        lines = concurrency(engine, a)
+        notes = [long_prompt(engine, a)] if "long" in parts else []
+        record(f"Serving: concurrent streams ({a.model}, {'4-bit' if blocks else 'float32'}, "
+               f"{a.slots} rows)", "\n".join(lines),
+               f"{setup}; greedy chat answers of up to {a.tokens} tokens to different questions "
+               f"submitted together (over {a.slots}: queued). 'decode tokens/s': over the time "
+               f"in decode steps alone; 'between tokens': the gaps between a stream's pieces of "
+               f"text; 'same as alone': every answer's tokens equal the same request served by "
+               f"itself.\n\n" + "\n\n".join(notes), dry=a.no_record)
+    if "soak" in parts and a.turns and getattr(tok, "has_chat_template", False):
+        note = soak(engine, a)
+        record(f"Serving: a {a.turns}-turn session ({a.model})", note, f"{setup}.",
+               dry=a.no_record)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def kind_of(cfg: ModelConfig, sinks: int, window: int, *, ring: bool = True,
     """The kind :func:`init_cache` makes for these settings."""
     sinks, window = as_int(sinks, "sinks"), as_int(window, "window")
     if sinks < 0:
-        raise ValueError(f"sinks must be a non-negative int (0 for window attention), got {sinks!r}")
+        raise ValueError(f"sinks must be a non-negative int (0 for window attention), got "
+                         f"{sinks!r}")
     quant = kv_quant or KVQuant()
     if evict_by is not None:
         if quant.format == "kivi":

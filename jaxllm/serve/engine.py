@@ -514,8 +514,8 @@ class Engine:
             self.owner[i] = None
         self.stats["finished"] += 1
         now = time.perf_counter()
-        r.emit(("done", Result(text, list(r.out), len(r.ids), len(r.out), reason, r.session, r.restored,
-                               r.reencoded, now - r.t0, (r.first or now) - r.t0)))
+        r.emit(("done", Result(text, list(r.out), len(r.ids), len(r.out), reason, r.session,
+                               r.restored, r.reencoded, now - r.t0, (r.first or now) - r.t0)))
 
     def _expire(self) -> None:
         now = time.monotonic()

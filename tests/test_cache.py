@@ -343,7 +343,6 @@ def test_decode_over_a_narrow_cache_is_the_float32_product(family, dtype, attent
     a lap; also with groups of one head (a loop over all)."""
     from jaxllm.kv import cache as kvc
     from jaxllm import bits
-    from jaxllm import attention
     from jaxllm.attention.decode import attend_cache
     from jaxllm.rope import inv_freq
     cfg = dataclasses.replace(CFGS[family], kernels=attention_path)

@@ -11,7 +11,6 @@ import pytest
 
 import jaxllm
 from jaxllm.config import Kernels
-from jaxllm.kv import cache as kvc
 from jaxllm.kv import quantized as kq
 from jaxllm.model import apply
 from pallas_kernels import decode as kd

@@ -76,7 +76,6 @@ def cmd_serve(a) -> None:
         print(f"serving {name} on http://{a.host}:{sock[1]} ({a.slots} rows, {pc.label}); "
               f"Ctrl-C stops", file=sys.stderr, flush=True)
 
-    config.callback_notify = None
     _announce(server, ready)
     server.run()
 

@@ -10,7 +10,6 @@ programs, two of the same kind share one.
 """
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from typing import Callable, Optional
 

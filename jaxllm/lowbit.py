@@ -27,6 +27,7 @@ from jaxtyping import Array, Float
 import pallas_kernels
 from pallas_kernels import cpu as cpu_kernels
 from pallas_kernels import packed_matmul as kernel
+from pallas_kernels.reference import after
 
 BITS = (2, 3, 4, 8)
 PACKED = (2, 3, 4)
@@ -216,6 +217,7 @@ def xla_matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32
         codes = unpack(words, node.bits, width) if node.bits in PACKED else words
         w = codes.astype(jnp.float32) * expand(sc.astype(jnp.float32), node.group, width) + \
             expand(of.astype(jnp.float32), node.group, width)  # [out, width]
+        w = after(xc, w)  # dequantized as the layer runs, not all layers' at the start
         return jnp.einsum("mc,oc->mo", xc, w, preferred_element_type=jnp.float32)
 
     full = n // C if C < n else 0

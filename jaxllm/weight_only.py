@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 import pallas_kernels
-from pallas_kernels.reference import computed_once
+from pallas_kernels.reference import after, computed_once
 
 from .bits import in_widened_groups
 
@@ -68,7 +68,10 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
     if not cpu or m >= MANY_ROWS:
         # Many rows amortise one float copy of the weight over a large GEMM, which runs faster
         # whole than in pieces.
-        y = jnp.einsum("mi,oi->mo", x2, q.astype(compute), preferred_element_type=jnp.float32)
+        w = q.astype(compute)
+        if cpu:  # converted as the layer runs, not every layer's at the start (elsewhere
+            w = after(x2, w)  # the conversion fuses into the dot: no copy to schedule)
+        y = jnp.einsum("mi,oi->mo", x2, w, preferred_element_type=jnp.float32)
     else:
         # The input is materialised first, or XLA would fuse the LayerNorm producing it into the
         # product and recompute it for every output.

@@ -46,6 +46,16 @@ def computed_once(x: Array) -> Array:
     return jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
 
 
+def after(x: Array, y: Float[Array, "..."]) -> Float[Array, "..."]:
+    """``y``, computed once ``x`` is: ``y`` plus zero times ``x``'s first element, which fuses
+    into the loop that makes ``y``. XLA schedules work that depends on weights alone wherever it
+    likes, and at the start of a prefill it widened every layer's weight to float32 at once
+    (docs/CPU.md, "Peak memory"); an optimization barrier does not order it on XLA:CPU, which
+    drops barriers before scheduling. A NaN or infinity first in ``x`` makes ``y`` NaN (a forward
+    with one has lost its numbers already)."""
+    return y + (x.reshape(-1)[0] * 0).astype(y.dtype)
+
+
 # float32 holds every integer up to 2^24 exactly, so a float32 sum of int8 products (each at most
 # 128^2 = 2^14 in magnitude) is exact, in any order, for contractions up to 2^10.
 EXACT_F32_K = 2 ** 24 // 128 ** 2

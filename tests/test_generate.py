@@ -240,3 +240,42 @@ def test_decode_loops_read_narrow_weights_in_place(weights):
     for name, narrow_b, float_b in zip(("generate", "stepwise nll"), temp_bytes(narrow),
                                        temp_bytes(params)):
         assert narrow_b < float_b + copy / 4, (name, narrow_b, float_b, copy)
+
+
+@pytest.mark.parametrize("weights", ["4bit", "w8", "bfloat16"])
+def test_prefill_widens_one_layer_weights_at_a_time(weights):
+    """A prefill's rows multiply a float copy of each narrow weight (GEMM speed), made as its
+    layer runs. XLA's scheduler is free to make every copy at the start, since they depend on
+    the weights alone, and it did: a 512-token SmolLM2 prefill held 400 MiB of float32 weight
+    copies (docs/CPU.md, "Peak memory"). Reference: the float32 model's program, which has no
+    copy to make; four layers' hoisted copies would exceed it by 4x one layer's, the bound
+    allows one."""
+    from jaxllm.generate import feed
+    from jaxllm import lowbit, tree
+    from jaxllm.quant import QKernel
+    cfg = jaxllm.ModelConfig.llama(vocab_size=264, hidden_size=512, num_layers=4, num_heads=8,
+                                   num_kv_heads=8, intermediate_size=1536, max_seq_len=256)
+    S = jax.ShapeDtypeStruct
+    params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
+
+    def narrow(kernel):  # an [in, out] float kernel as the format stores it, abstractly
+        n, o = kernel.shape
+        if weights == "4bit":  # a GGUF Q4_1's layout: 8 codes a word, groups of 32
+            return lowbit.QLowBit(S((o, n // 8), jnp.uint32), S((o, n // 32), jnp.float16),
+                                  S((o, n // 32), jnp.float16), bits=4, group=32,
+                                  in_features=n)
+        if weights == "w8":
+            return QKernel(S((o, n), jnp.int8), S((o,), jnp.float32), act="none")
+        return QKernel(S((o, n), jnp.bfloat16), S((), jnp.float32), act="none")
+    flat = tree.flatten(params)
+    layer_bytes = sum(4 * v.size for k, v in flat.items() if k.startswith("layer_0/")
+                      and k.endswith("/kernel"))
+    flat = {k: narrow(v) if k.startswith("layer_") and k.endswith("/kernel") else v
+            for k, v in flat.items()}
+    cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, 1, sinks=4, window=124))
+    rule = jaxllm.SamplingConfig().rule
+
+    def temp(p):
+        return feed.lower(p, cfg, rule, cache, S((1, 64), jnp.int32), S((1,), jnp.int32),
+                          jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
+    assert temp(tree.unflatten(flat)) < temp(params) + 1.5 * layer_bytes, layer_bytes

@@ -107,6 +107,32 @@ def timed(what: str, echo: Callable[[str], None] = say):
     echo(f"{what}: done in {time.perf_counter() - t0:.1f} s")
 
 
+def return_freed_memory() -> None:
+    """Give the heap memory this process has freed back to the system (glibc's
+    ``malloc_trim``; nothing elsewhere). Compiling a program, or loading one from the cache,
+    frees a few hundred MiB that glibc otherwise keeps resident (docs/CPU.md, "Peak
+    memory")."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+@contextlib.contextmanager
+def trimming_after_compiles():
+    """Within the block, :func:`return_freed_memory` after each program compiles (or comes from
+    the compilation cache): a chat or a server keeps its resident memory to what it uses."""
+    def on_duration(event, secs, **kw):
+        if event == _COMPILED and secs >= REPORT_COMPILE_S:
+            return_freed_memory()
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+
+
 def default_cache_dir() -> str:
     """Where the CLI keeps compiled programs: $JAXLLM_CACHE_DIR/xla, else
     $XDG_CACHE_HOME/jaxllm/xla, else ~/.cache/jaxllm/xla."""

@@ -60,12 +60,13 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """The jaxllm command: compiled programs kept between runs (unless --no-compile-cache), and
     a line on stderr when a large program compiles."""
-    from ..progress import default_cache_dir, say, use_compile_cache, watch_compiles
+    from ..progress import (default_cache_dir, say, trimming_after_compiles,
+                            use_compile_cache, watch_compiles)
 
     def start(args):
         if not args.no_compile_cache:
             use_compile_cache(default_cache_dir())
 
-    with watch_compiles(echo=say):
+    with watch_compiles(echo=say), trimming_after_compiles():
         return run(build_parser(), argv, lambda args: f"jaxllm {args.cmd}: ", flags=FLAGS,
                    before=start)

@@ -203,7 +203,7 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
                        f"the file's codes: give one of them")
     keep_quantized = keep_quantized or (file_blocks and weights == "stored"
                                         and holds_blocks(model))
-    from ..progress import say
+    from ..progress import return_freed_memory, say
     say(f"loading {model} ...")
     t0 = time.perf_counter()
     try:
@@ -225,6 +225,7 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
             params = decode_weights(params, weights)
         except ValueError as e:
             raise CliError(f"--weights {weights}: {e}") from None
+    return_freed_memory()  # the file's buffers, copied into the arrays
     if model.startswith("random:"):
         print(RANDOM_NOTE.format(model=model), file=sys.stderr)
     bad = _first_non_finite(params)

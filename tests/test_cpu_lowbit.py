@@ -30,6 +30,8 @@ def node(out, n, group, dtype, bits=4):
     (9, 100, 200, 8, np.float32, 4),  # more rows than one pass, a group a word
     (2, 33, 70, 16, np.float16, 4),  # K not a multiple of 8: the last word half padding
     (8, 17, 64, 64, np.float32, 4),  # one load a row
+    (1, 35, 200, 8, np.float32, 4),  # one row: weight rows 4 at a time, then 3 alone
+    (2, 7, 96, 32, np.float16, 4),  # two rows: weight rows 2 at a time, then one alone
     (1, 3000, 576, 32, np.float16, 8),  # SmolLM2's Q8_0 head, some of its rows
     (10, 40, 131, 16, np.float32, 8),  # K not a multiple of 8; two passes over the rows
 ])

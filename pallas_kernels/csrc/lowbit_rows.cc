@@ -57,6 +57,16 @@ inline int64_t rows_per_block(int64_t K) { return std::max<int64_t>(8, kWeightsP
 inline float load_scalar(const float* p, int64_t i) { return p[i]; }
 inline float load_scalar(const uint16_t* p, int64_t i) { return _cvtsh_ss(p[i]); }
 
+// p[0 .. n) as float32 into out (F16C eight at a time for float16).
+inline void to_f32(const float* p, int64_t n, float* out) { std::memcpy(out, p, n * 4); }
+inline void to_f32(const uint16_t* p, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(p + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(p[i]);
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -86,62 +96,103 @@ void row_passes(ffi::ThreadPool& pool, int64_t M, int64_t N, int64_t K, const Fn
   }
 }
 
-// Rows n0..n1 of y for R rows of x (R <= 8, a compile-time count so the sums stay in registers).
-// xt: [R, blocks, 8 fields, 8 words] (x in field order), xs: [R, Gn] group sums.
+// Each lane's (word's) group scale for the 64 columns of load b of a row: one group, or two of
+// 32 (GGUF's blocks); lanes past K multiply zeros, so the padding scale 0 is harmless.
+inline __m256 lane_scales(const float* sf, int64_t b, int64_t G, int64_t K) {
+  const int64_t col = 64 * b;
+  if (G % 64 == 0) return _mm256_set1_ps(sf[col / G]);
+  if (G == 32) return _mm256_set_m128(_mm_set1_ps(sf[2 * b + 1]), _mm_set1_ps(sf[2 * b]));
+  alignas(32) float lane[8];
+  for (int w = 0; w < 8; ++w) {
+    const int64_t k = col + 8 * w;
+    lane[w] = k < K ? sf[k / G] : 0.0f;
+  }
+  return _mm256_load_ps(lane);
+}
+
+// Output rows n .. n + NB of y for R rows of x. NB weight rows go through at once so that one
+// row of x (R = 1, decode) still has NB independent chains of FMAs: a single chain waits the
+// FMA's latency (4 cycles) for each of a load's 8 fields, which held the product to 5.5 GB/s of
+// codes on a 2-core EPYC where the memory gives 14 (docs/CPU.md, "Low-bit products").
+// xt: [R, blocks, 8 fields, 8 words] (x in field order), xs: [R, Gn] group sums; sf: NB rows of
+// Gn + 1 scales, of: NB rows of Gn offsets, in float32.
+template <int R, int NB>
+void rows_at(const float* xt, const float* xs, const uint32_t* codes, const float* sf,
+             const float* of, float* y, int64_t K, int64_t W, int64_t Gn, int64_t G, int64_t N,
+             int64_t n) {
+  const int64_t blocks = (W + 7) / 8;
+  const __m256i mask = _mm256_set1_epi32(15);
+  __m256 total[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NB; ++i) total[r][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i v[NB];
+    for (int i = 0; i < NB; ++i) {
+      const uint32_t* c = codes + (n + i) * W + 8 * b;
+      if (8 * b + 8 <= W) {
+        v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      } else {  // the row's last words, zero codes after them
+        alignas(32) uint32_t tail[8] = {0};
+        std::memcpy(tail, c, sizeof(uint32_t) * (W - 8 * b));
+        v[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+      }
+    }
+    __m256 acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < NB; ++i) acc[r][i] = _mm256_setzero_ps();
+    const float* xb = xt + b * 64;
+    for (int j = 0; j < 8; ++j) {  // field j of every word, in the low bits after j shifts
+      __m256 xj[R];
+      for (int r = 0; r < R; ++r) xj[r] = _mm256_loadu_ps(xb + r * blocks * 64 + 8 * j);
+      for (int i = 0; i < NB; ++i) {
+        const __m256 cf = _mm256_cvtepi32_ps(_mm256_and_si256(v[i], mask));
+        v[i] = _mm256_srli_epi32(v[i], 4);
+        for (int r = 0; r < R; ++r) acc[r][i] = _mm256_fmadd_ps(cf, xj[r], acc[r][i]);
+      }
+    }
+    for (int i = 0; i < NB; ++i) {
+      const __m256 sv = lane_scales(sf + i * (Gn + 1), b, G, K);
+      for (int r = 0; r < R; ++r) total[r][i] = _mm256_fmadd_ps(acc[r][i], sv, total[r][i]);
+    }
+  }
+  for (int i = 0; i < NB; ++i) {
+    const float* o = of + i * Gn;
+    for (int r = 0; r < R; ++r) {
+      const float* xr = xs + r * Gn;
+      __m256 t = total[r][i];
+      int64_t g = 0;
+      for (; g + 8 <= Gn; g += 8)
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(o + g), _mm256_loadu_ps(xr + g), t);
+      float sum = hsum(t);
+      for (; g < Gn; ++g) sum += o[g] * xr[g];
+      y[r * N + n + i] = sum;
+    }
+  }
+}
+
+// Rows n0..n1 of y for R rows of x (R <= 8, a compile-time count so the sums stay in registers),
+// 4 weight rows at a time for one row of x, 2 for two, 1 from three (their chains suffice).
 template <int R, typename S>
 void rows(const float* xt, const float* xs, const uint32_t* codes, const S* scale,
           const S* offset, float* y, int64_t K, int64_t W, int64_t Gn, int64_t G, int64_t N,
           int64_t n0, int64_t n1) {
-  const int64_t blocks = (W + 7) / 8;
-  const __m256i mask = _mm256_set1_epi32(15);
-  alignas(32) uint32_t tail[8];
-  alignas(32) float lane_scale[8];
-  std::vector<float> sf(Gn + 1, 0.0f);  // a row's scales in float32 (one past the end: 0)
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint32_t* c = codes + n * W;
-    for (int64_t g = 0; g < Gn; ++g) sf[g] = load_scalar(scale + n * Gn, g);
-    __m256 total[R];
-    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256i v;
-      if (8 * b + 8 <= W) {
-        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 8 * b));
-      } else {  // the row's last words, zero codes after them
-        std::memset(tail, 0, sizeof(tail));
-        std::memcpy(tail, c + 8 * b, sizeof(uint32_t) * (W - 8 * b));
-        v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
-      }
-      // Each lane's (word's) group scale: one group for the 64 columns, or two of 32 (GGUF's
-      // blocks; lanes past K multiply zeros, so the padding scale 0 is harmless).
-      __m256 sv;
-      const int64_t col = 64 * b;
-      if (G % 64 == 0) {
-        sv = _mm256_set1_ps(sf[col / G]);
-      } else if (G == 32) {
-        sv = _mm256_set_m128(_mm_set1_ps(sf[2 * b + 1]), _mm_set1_ps(sf[2 * b]));
-      } else {
-        for (int w = 0; w < 8; ++w) {
-          const int64_t k = col + 8 * w;
-          lane_scale[w] = k < K ? sf[k / G] : 0.0f;
-        }
-        sv = _mm256_load_ps(lane_scale);
-      }
-      __m256 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-      const float* xb = xt + b * 64;
-      for (int j = 0; j < 8; ++j, v = _mm256_srli_epi32(v, 4)) {  // field j in the low bits
-        const __m256 cf = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
-        for (int r = 0; r < R; ++r)
-          acc[r] = _mm256_fmadd_ps(cf, _mm256_loadu_ps(xb + r * blocks * 64 + 8 * j), acc[r]);
-      }
-      for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(acc[r], sv, total[r]);
+  constexpr int NB = R == 1 ? 4 : R == 2 ? 2 : 1;
+  // The rows' scales (one past each row's end: 0) and offsets in float32.
+  std::vector<float> sf(NB * (Gn + 1), 0.0f), of(NB * Gn);
+  auto widen = [&](int64_t n, int nb) {
+    for (int i = 0; i < nb; ++i) {
+      to_f32(scale + (n + i) * Gn, Gn, sf.data() + i * (Gn + 1));
+      to_f32(offset + (n + i) * Gn, Gn, of.data() + i * Gn);
     }
-    const S* o = offset + n * Gn;
-    for (int r = 0; r < R; ++r) {
-      float sum = hsum(total[r]);
-      for (int64_t g = 0; g < Gn; ++g) sum += load_scalar(o, g) * xs[r * Gn + g];
-      y[r * N + n] = sum;
-    }
+  };
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    widen(n, NB);
+    rows_at<R, NB>(xt, xs, codes, sf.data(), of.data(), y, K, W, Gn, G, N, n);
+  }
+  for (; n < n1; ++n) {
+    widen(n, 1);
+    rows_at<R, 1>(xt, xs, codes, sf.data(), of.data(), y, K, W, Gn, G, N, n);
   }
 }
 

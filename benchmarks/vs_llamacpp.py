@@ -15,6 +15,9 @@ token's time, which holds the prefill, left out), CPU-seconds per decoded token 
 of all its threads: the steady figure on a shared machine) and its peak RSS. Compilation is
 done before the timed calls (a warm-up of the same shapes). Beside them, the weight-read floor:
 the bytes of weights one decode step reads over this machine's measured read rate.
+
+``--parts chat``: the peak RSS of a chat of a few questions, ``jaxllm chat`` as a user runs it
+(a first run with an empty cache directory, then a second) against llama.cpp's chat completion.
 """
 from __future__ import annotations
 
@@ -127,80 +130,87 @@ def worker_llama(a) -> dict:
             "decode_cpu_s": c2 - c1, "peak_mib": _peak_mib(), "tokens": out}
 
 
-# ---- the driver ----------------------------------------------------------------------------------
-
-def read_rate_gbs() -> float:
-    """This machine's read rate, GB/s: the fastest sum of a 512 MiB float32 buffer (numpy)."""
-    import numpy as np
-    buf = np.ones(128 << 20, np.float32)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.nbytes / best / 1e9
+QUESTIONS = ("What is the capital of France?", "Name three colors.",
+             "Write one sentence about the sea.")
 
 
-def spawn(python: str, kind: str, a, **over) -> dict:
-    args = [python, os.path.abspath(__file__), "--worker", kind, "--gguf", a.gguf, "--ids",
-            a.ids, "--new", str(a.new)]
-    for k, v in over.items():
-        args += [f"--{k}", str(v)]
-    r = subprocess.run(args, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"{kind} {over} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", choices=["jaxllm", "llama"], help=argparse.SUPPRESS)
-    ap.add_argument("--format", default="float32", help=argparse.SUPPRESS)
-    ap.add_argument("--cache", default="streaming", help=argparse.SUPPRESS)
-    ap.add_argument("--ids", help=argparse.SUPPRESS)
-    ap.add_argument("--gguf", help="the GGUF file (default: SmolLM2's, packaged)")
-    ap.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
-    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    ap.add_argument("--new", type=int, default=128, help="tokens generated")
-    ap.add_argument("--repeats", type=int, default=2, help="alternated runs of each")
-    ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--caches", default="dense,streaming")
-    ap.add_argument("--dry", action="store_true", help="print, do not record")
-    a = ap.parse_args()
-    if a.worker:
-        fn = worker_jaxllm if a.worker == "jaxllm" else worker_llama
-        print(json.dumps(fn(a)))
-        return
-    if not a.llama_python:
-        ap.error("--llama-python is required: a Python with llama-cpp-python (see the docstring)")
+def worker_jaxllm_chat(a) -> dict:
+    """``jaxllm chat`` as a user runs it (its defaults: the file's blocks, StreamingLLM), the
+    QUESTIONS typed in, in this process: its peak RSS is the command's."""
+    import contextlib
+    import io
     sys.path.insert(0, os.path.dirname(HERE))
-    sys.path.insert(0, HERE)
-    import tempfile
+    from jaxllm.cli import main
+    sys.stdin = io.StringIO("\n".join(QUESTIONS) + "\n")
+    with contextlib.redirect_stdout(sys.stderr):
+        rc = main(["chat", "--model", a.gguf, "--max-new-tokens", str(a.new)])
+    if rc:
+        raise SystemExit(f"jaxllm chat exited {rc}")
+    return {"peak_mib": _peak_mib()}
 
-    from jaxllm.corpus import builtin_corpus
-    from jaxllm.io import packaged_path
+
+def worker_llama_chat(a) -> dict:
+    """llama.cpp's chat completion over the same QUESTIONS, each answer kept in the history."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=a.gguf, n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
+    messages: list = []
+    for q in QUESTIONS:
+        messages.append({"role": "user", "content": q})
+        out = llm.create_chat_completion(messages=messages, max_tokens=a.new, temperature=0.0)
+        messages.append(out["choices"][0]["message"])
+    return {"peak_mib": _peak_mib()}
+
+
+def chat_memory(a) -> None:
+    """Peak RSS of a chat, each run a fresh process: llama.cpp's, and jaxllm chat's first run
+    (an empty cache directory: the file converted, the programs compiled) and second (both
+    read from that directory), runs alternated."""
+    import shutil
+
     from _record import machine, record
-    a.gguf = a.gguf or packaged_path("smollm2")
-    from convert.gguf import gguf_tokenizer
-    tok = gguf_tokenizer(a.gguf)  # the tokenizer alone: the workers load the weights
-    ids = tok.encode(builtin_corpus())[:a.prompt]
-    fd, a.ids = tempfile.mkstemp(suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(ids, f)
+    import tempfile
+    runs: dict = {"llama.cpp": [], "jaxllm chat, first run": [], "jaxllm chat, second run": []}
+    for rep in range(a.repeats):
+        runs["llama.cpp"].append(spawn(a.llama_python, "llama-chat", a)["peak_mib"])
+        home = tempfile.mkdtemp(prefix="jaxllm-cache-")
+        try:
+            env = dict(os.environ, JAXLLM_CACHE_DIR=home)
+            for key in ("jaxllm chat, first run", "jaxllm chat, second run"):
+                runs[key].append(spawn(sys.executable, "jaxllm-chat", a, env=env)["peak_mib"])
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+        print(f"run {rep + 1}: " + ", ".join(f"{k} {v[-1]:.0f} MiB" for k, v in runs.items()),
+              file=sys.stderr)
+    base = statistics.median(runs["llama.cpp"])
+    lines = ["| program | peak RSS MiB (median) | runs | vs llama.cpp |", "|---|---:|---|---:|"]
+    for k, v in runs.items():
+        m = statistics.median(v)
+        lines.append(f"| {k} | {m:.0f} | {', '.join(f'{x:.0f}' for x in v)} | "
+                     f"{m / base:.2f}x |")
+    notes = (f"`python benchmarks/vs_llamacpp.py --llama-python ... --parts chat --new {a.new} "
+             f"--repeats {a.repeats}` on {machine()}; {os.path.basename(a.gguf)}; the "
+             f"{len(QUESTIONS)} questions of the script, greedy, at most {a.new} tokens an "
+             f"answer; jaxllm chat with its defaults (the file's 4-bit blocks, StreamingLLM "
+             f"4+1020, float32 cache), llama.cpp's create_chat_completion with a 2,048-token "
+             f"context (float16 cache).")
+    record("Peak memory of a chat: jaxllm chat against llama.cpp (same GGUF)",
+           "\n".join(lines), notes, dry=a.dry)
+
+
+def speed_table(a) -> None:
+    """Each weight format x KV cache against llama.cpp: load, prefill, decode, CPU, peak RSS."""
+    from _record import machine, record
     rate = read_rate_gbs()
     runs: dict = {}
     combos = [("llama", "-", "dense")] + [("jaxllm", f, c) for f in a.formats.split(",")
                                           for c in a.caches.split(",")]
-    try:
-        for rep in range(a.repeats):
-            for kind, fmt, cache in combos:
-                r = spawn(a.llama_python if kind == "llama" else sys.executable, kind, a,
-                          format=fmt, cache=cache)
-                runs.setdefault((kind, fmt, cache), []).append(r)
-                print(f"run {rep + 1}: {kind} {fmt} {cache}: decode "
-                      f"{(a.new - 1) / r['decode_s']:.1f} tok/s", file=sys.stderr)
-    finally:
-        os.unlink(a.ids)
+    for rep in range(a.repeats):
+        for kind, fmt, cache in combos:
+            r = spawn(a.llama_python if kind == "llama" else sys.executable, kind, a,
+                      format=fmt, cache=cache)
+            runs.setdefault((kind, fmt, cache), []).append(r)
+            print(f"run {rep + 1}: {kind} {fmt} {cache}: decode "
+                  f"{(a.new - 1) / r['decode_s']:.1f} tok/s", file=sys.stderr)
     med = lambda key, rs: statistics.median(r[key] for r in rs)  # noqa: E731
     base = runs[("llama", "-", "dense")]
     b_tps, b_cpu = (a.new - 1) / med("decode_s", base), med("decode_cpu_s", base) / (a.new - 1)
@@ -236,6 +246,79 @@ def main() -> None:
     record("jaxllm against llama.cpp on the CPU (same GGUF, same prompt)", table, notes,
            dry=a.dry)
 
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+def read_rate_gbs() -> float:
+    """This machine's read rate, GB/s: the fastest sum of a 512 MiB float32 buffer (numpy)."""
+    import numpy as np
+    buf = np.ones(128 << 20, np.float32)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.nbytes / best / 1e9
+
+
+def spawn(python: str, kind: str, a, env=None, **over) -> dict:
+    args = [python, os.path.abspath(__file__), "--worker", kind, "--gguf", a.gguf, "--ids",
+            a.ids, "--new", str(a.new)]
+    for k, v in over.items():
+        args += [f"--{k}", str(v)]
+    r = subprocess.run(args, capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise SystemExit(f"{kind} {over} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--format", default="float32", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default="streaming", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help="the GGUF file (default: SmolLM2's, packaged)")
+    ap.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=128, help="tokens generated")
+    ap.add_argument("--repeats", type=int, default=2, help="alternated runs of each")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--caches", default="dense,streaming")
+    ap.add_argument("--parts", default="speed,chat",
+                    help="speed: the formats' table; chat: peak memory of a chat")
+    ap.add_argument("--dry", action="store_true", help="print, do not record")
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(WORKERS[a.worker](a)))
+        return
+    if not a.llama_python:
+        ap.error("--llama-python is required: a Python with llama-cpp-python (see the docstring)")
+    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, HERE)
+    import tempfile
+
+    from jaxllm.corpus import builtin_corpus
+    from jaxllm.io import packaged_path
+    a.gguf = a.gguf or packaged_path("smollm2")
+    from convert.gguf import gguf_tokenizer
+    tok = gguf_tokenizer(a.gguf)  # the tokenizer alone: the workers load the weights
+    ids = tok.encode(builtin_corpus())[:a.prompt]
+    fd, a.ids = tempfile.mkstemp(suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(ids, f)
+    parts = a.parts.split(",")
+    try:
+        if "speed" in parts:
+            speed_table(a)
+        if "chat" in parts:
+            chat_memory(a)
+    finally:
+        os.unlink(a.ids)
+
+
+WORKERS = {"jaxllm": worker_jaxllm, "llama": worker_llama, "jaxllm-chat": worker_jaxllm_chat,
+           "llama-chat": worker_llama_chat}
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.reference import after
+
 from . import attention
 from .attention import plain
 from .kv import cache as kvc
@@ -291,16 +293,44 @@ def _block_call(block_jit, cfg: ModelConfig, layer_params, x, layer_cache, plan)
 def _block_jit(remat: bool = False):
     """A jitted block made for one forward's trace: its layers share the one trace, and the
     next forward traces afresh, so whatever a block reads while traced (a size a test sets)
-    is read again for every program, as unrolled. ``remat``: the block under jax.checkpoint,
-    so a gradient keeps only each block's input and recomputes the rest."""
+    is read again for every program, as unrolled. ``remat``: a gradient keeps only each
+    block's inputs and recomputes the rest (:func:`_recomputed`)."""
     def block(cfg, tdef, static, layer_params, x, arrays):
         it = iter(arrays)
         leaves = [next(it) if v is _ARRAY else v for v in static.leaves]
         layer_cache, plan = jax.tree.unflatten(tdef, leaves)
         return Block(cfg).apply({"params": layer_params}, x, layer_cache, plan)
     if remat:
-        block = jax.checkpoint(block, static_argnums=(0, 1, 2))
+        block = _recomputed(block)
     return jax.jit(block, static_argnums=(0, 1, 2))
+
+
+def _recomputed(block):
+    """``block`` whose backward pass recomputes its activations from its inputs, the only
+    values the forward keeps for it. The recomputation is tied to the block's incoming
+    cotangent (``after``), so it runs in the backward pass and XLA cannot merge it with the
+    forward's equal values. jax.checkpoint ties it with optimization barriers, which XLA:CPU
+    removes before it schedules: there the forward's activations were kept all the same (the
+    compile-time count of a training step was equal with and without it; docs/CPU.md, "Peak
+    memory")."""
+    def run(cfg, tdef, static, layer_params, x, arrays):
+        def f(p, x, a):
+            return block(cfg, tdef, static, p, x, a)
+
+        @jax.custom_vjp
+        def g(p, x, a):
+            return f(p, x, a)
+
+        def fwd(p, x, a):
+            return f(p, x, a), (p, x, a)
+
+        def bwd(saved, ct):
+            p, x, a = saved
+            tie = next(c for c in jax.tree.leaves(ct) if jnp.issubdtype(c.dtype, jnp.inexact))
+            return jax.vjp(f, p, after(tie, x), a)[1](ct)
+        g.defvjp(fwd, bwd)
+        return g(layer_params, x, arrays)
+    return run
 
 
 def head_logits(params, cfg: ModelConfig, x: Float[Array, "... d"]) -> Float[Array, "... v"]:

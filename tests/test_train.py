@@ -191,8 +191,11 @@ def test_chunked_loss_equals_the_whole_logits_loss(sink, tie):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-def test_remat_gives_the_same_loss_and_gradients():
-    """remat=True (each block under jax.checkpoint) recomputes, and changes no number."""
+def test_remat_gives_the_same_loss_and_gradients_in_less_memory():
+    """remat=True recomputes each block in the backward pass: the same loss and gradients, and
+    XLA's compile-time count of the gradient's temporaries (8 layers, each with 4 MiB of
+    attention probabilities) falls below half of what the gradient that keeps every layer's
+    activations holds. jax.checkpoint left the count unchanged on a CPU (model._recomputed)."""
     import dataclasses as dc
     from train.step import init_state, loss_fn
     cfg = recipe("tiny", TINY + ["model.num_layers=2", "dtype=float32"])
@@ -201,12 +204,20 @@ def test_remat_gives_the_same_loss_and_gradients():
     l0, g0 = jax.value_and_grad(loss_fn)(params, cfg, batch)
     l1, g1 = jax.value_and_grad(loss_fn)(params, dc.replace(cfg, remat=True), batch)
     assert float(l1) == float(l0)
-    # The blocks reach the gradient as recomputed (remat) calls: more of them than the loss's.
-    remats = [str(jax.make_jaxpr(jax.grad(loss_fn), static_argnums=1)(params, c, batch))
-              .count("remat") for c in (cfg, dc.replace(cfg, remat=True))]
-    assert remats[1] > remats[0], remats
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
+
+    big = recipe("tiny", TINY + ["model.num_layers=8", "dtype=float32", "seq_len=256",
+                                 "model.max_seq_len=256"])
+    S = jax.ShapeDtypeStruct
+    p = jax.eval_shape(lambda k: init_state(big, k)["params"], jax.random.key(0))
+    tokens = S((4, 257), jnp.int32)
+
+    def temp(c):
+        grad = jax.jit(jax.grad(loss_fn), static_argnums=1)
+        return grad.lower(p, c, tokens).compile().memory_analysis().temp_size_in_bytes
+    plain_b, remat_b = temp(big), temp(dc.replace(big, remat=True))
+    assert remat_b < plain_b / 2, (plain_b / 2 ** 20, remat_b / 2 ** 20)
 
 
 def test_learnable_sink_examples_never_target_the_sink():
@@ -551,6 +562,7 @@ def test_a_step_that_cannot_fit_is_refused_in_one_line():
         check_fits(97 << 30, 80 << 30, cfg)
     msg = str(e.value)
     assert "\n" not in msg and "97.0 GiB" in msg and "80.0 GiB" in msg and "grad_accum" in msg
+    assert "remat=true" in msg
 
 
 def test_peak_rate_for_mfu_and_prefetch_errors():

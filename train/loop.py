@@ -441,8 +441,9 @@ def check_fits(need: int, limit: Optional[int], cfg: TrainConfig) -> None:
         raise ValueError(
             f"the training step needs {need / 2**30:.1f} GiB per device (XLA's compile-time "
             f"count: state, batch and temporaries) but the device holds {limit / 2**30:.1f} GiB: "
-            f"lower batch_size ({cfg.batch_size}) or raise grad_accum ({cfg.grad_accum}), or "
-            f"shard over more devices (mesh_fsdp)")
+            f"lower batch_size ({cfg.batch_size}) or raise grad_accum ({cfg.grad_accum}), "
+            + ("" if cfg.remat else "set remat=true (blocks recomputed in the backward pass), ")
+            + "or shard over more devices (mesh_fsdp)")
 
 
 def weights_from(path: str, fresh: dict) -> dict:

@@ -119,10 +119,12 @@ TOP_MASK = jax.jit(evict.top_mask)  # k traced too: one compilation for every ex
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([-2.5, -0.0, 0.0, 1e-30, 0.25, 0.25, 3.0, 7.5]),
                           st.booleans()), min_size=1, max_size=24),
-       st.integers(1, 24), st.floats(-4, 4, width=32))
+       st.integers(1, 24), st.floats(-4, 4, width=32, allow_subnormal=False))
 def test_top_mask_is_the_stable_top_k(entries, k, jitter):
     """Q-Hitter's attention-only share: the k largest valid entries, ties to the lower index
-    (numpy's stable sort as the reference), negative values, zeros of either sign included."""
+    (numpy's stable sort as the reference), negative values, zeros of either sign included.
+    Subnormal numbers are left out: XLA:CPU flushes them to zero (a -1e-44 ties with -0.0
+    there, and numpy orders them; found by a CI run)."""
     x = np.zeros(24, np.float32)
     valid = np.zeros(24, bool)  # padded to one shape with invalid entries
     for i, (v, ok) in enumerate(entries):

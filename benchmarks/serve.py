@@ -148,10 +148,11 @@ def rss_mib(trim: bool = False) -> float:
     freed (glibc's malloc_trim; a saved row replaced on every save otherwise stays resident as
     free heap), so what is left is memory in use."""
     if trim:
-        import ctypes
         import gc
+
+        from jaxllm.progress import return_freed_memory
         gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return_freed_memory()
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 

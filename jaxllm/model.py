@@ -309,10 +309,8 @@ def _recomputed(block):
     """``block`` whose backward pass recomputes its activations from its inputs, the only
     values the forward keeps for it. The recomputation is tied to the block's incoming
     cotangent (``after``), so it runs in the backward pass and XLA cannot merge it with the
-    forward's equal values. jax.checkpoint ties it with optimization barriers, which XLA:CPU
-    removes before it schedules: there the forward's activations were kept all the same (the
-    compile-time count of a training step was equal with and without it; docs/CPU.md, "Peak
-    memory")."""
+    forward's equal values (jax.checkpoint's optimization barriers do not hold on XLA:CPU:
+    docs/CPU.md, "Peak memory")."""
     def run(cfg, tdef, static, layer_params, x, arrays):
         def f(p, x, a):
             return block(cfg, tdef, static, p, x, a)

@@ -111,9 +111,8 @@ inline __m256 lane_scales(const float* sf, int64_t b, int64_t G, int64_t K) {
 }
 
 // Output rows n .. n + NB of y for R rows of x. NB weight rows go through at once so that one
-// row of x (R = 1, decode) still has NB independent chains of FMAs: a single chain waits the
-// FMA's latency (4 cycles) for each of a load's 8 fields, which held the product to 5.5 GB/s of
-// codes on a 2-core EPYC where the memory gives 14 (docs/CPU.md, "Low-bit products").
+// row of x (R = 1, decode) still has NB independent chains of FMAs: a single chain waits out the
+// FMA's latency between a load's 8 fields (measured: docs/CPU.md, "Low-bit products").
 // xt: [R, blocks, 8 fields, 8 words] (x in field order), xs: [R, Gn] group sums; sf: NB rows of
 // Gn + 1 scales, of: NB rows of Gn offsets, in float32.
 template <int R, int NB>

@@ -34,6 +34,8 @@ def node(out, n, group, dtype, bits=4):
     (2, 7, 96, 32, np.float16, 4),  # two rows: weight rows 2 at a time, then one alone
     (1, 3000, 576, 32, np.float16, 8),  # SmolLM2's Q8_0 head, some of its rows
     (10, 40, 131, 16, np.float32, 8),  # K not a multiple of 8; two passes over the rows
+    (1, 35, 131, 16, np.float16, 8),  # one row: weight rows 4 at a time, then 3 alone
+    (2, 7, 96, 32, np.float32, 8),  # two rows: weight rows 2 at a time, then one alone
 ])
 def test_the_kernel_is_numpys_product_with_the_dequantized_weight(M, N, K, group, dtype, bits):
     w = node(N, K, group, dtype, bits)
@@ -61,6 +63,30 @@ def test_decode_rows_take_the_kernel_and_a_prefill_keeps_xla():
         np.testing.assert_allclose(np.asarray(f(x, bits_node)),
                                    np.asarray(lowbit.xla_matmul(x, bits_node)), rtol=2e-5,
                                    atol=2e-5)
+
+
+@needs_kernel
+def test_two_threads_in_the_kernel_at_once_each_get_their_product():
+    """Two calls at once (XLA runs independent products, a layer's q, k and v, on two threads;
+    or two programs): they share XLA's pool (csrc/blocks.h), neither waits for the other's
+    pieces, and each row is summed by one thread in a fixed order, so every result equals the
+    call's result alone."""
+    import threading
+    ws = [node(512, 256, 32, np.float16) for _ in range(2)]
+    xs = [RNG.standard_normal((1, 256)).astype(np.float32) for _ in range(2)]
+    f = jax.jit(lambda x, w: cpu.lowbit_rows(x, w.codes, w.scale, w.offset, 4, 32))
+    want = [np.asarray(f(x, w)) for x, w in zip(xs, ws)]
+    same = [[], []]
+
+    def calls(i):
+        for _ in range(200):
+            same[i].append(np.array_equal(np.asarray(f(xs[i], ws[i])), want[i]))
+    threads = [threading.Thread(target=calls, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [len(s) for s in same] == [200, 200] and all(same[0]) and all(same[1])
 
 
 @needs_kernel

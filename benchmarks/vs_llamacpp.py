@@ -2,9 +2,10 @@
 
 Every measurement is a fresh process (so load time and peak memory are its own), the two
 programs alternated run by run: jaxllm in each weight format (float32 as loaded, bfloat16,
-int8 weight-only W8, the file's 4-bit blocks kept) with a dense and a StreamingLLM 4+1020
-cache, and llama.cpp through llama-cpp-python, which is never a jaxllm dependency: build it in
-an environment of its own and pass that environment's Python,
+int8 weight-only W8, the file's 4-bit blocks kept, and kept with their inputs rounded to 8
+bits as llama.cpp's are, 4bit-a8: jaxllm.lowbit.round_inputs) with a dense and a StreamingLLM
+4+1020 cache, and llama.cpp through llama-cpp-python, which is never a jaxllm dependency:
+build it in an environment of its own and pass that environment's Python,
 
     python -m venv ~/llama-env && ~/llama-env/bin/pip install llama-cpp-python==0.3.36
     python benchmarks/vs_llamacpp.py --llama-python ~/llama-env/bin/python
@@ -31,7 +32,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FORMATS = ("float32", "bfloat16", "w8", "4bit")
+FORMATS = ("float32", "bfloat16", "w8", "4bit", "4bit-a8")
 
 
 def _cpu() -> float:
@@ -61,14 +62,16 @@ def worker_jaxllm(a) -> dict:
     import numpy as np
 
     import jaxllm
-    from jaxllm import quant
+    from jaxllm import lowbit, quant
     ids = json.load(open(a.ids))
     t0 = time.perf_counter()
-    cfg, params, tok = jaxllm.load_model(a.gguf, keep_quantized=a.format == "4bit")
+    cfg, params, tok = jaxllm.load_model(a.gguf, keep_quantized=a.format.startswith("4bit"))
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t0
     if a.format == "bfloat16":
         params = quant.decode_weights(params, "bfloat16")
+    elif a.format == "4bit-a8":  # the inputs of the 4-bit products rounded to 8 bits
+        params = lowbit.round_inputs(params)
     elif a.format == "w8":
         calib = np.asarray(ids * 4, np.int32)[:4 * 64]
         params = jaxllm.smoothquant.quantize(params, cfg, calib, "w8", smooth=False,

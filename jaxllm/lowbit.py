@@ -31,6 +31,11 @@ from pallas_kernels.reference import after
 
 BITS = (2, 3, 4, 8)
 PACKED = (2, 3, 4)
+# How a node's products take their input: ``none``, x as it is (float); ``block``, x rounded to
+# 8 bits per 32 columns first (:func:`round_blocks`), as llama.cpp multiplies its 4-bit blocks:
+# on a CPU the C++ kernel then multiplies integers (docs/CPU.md, "Low-bit products").
+ACTS = ("none", "block")
+BLOCK = 32  # input columns per 8-bit scale of ``block``
 
 
 def pack(codes, bits: int):
@@ -69,6 +74,7 @@ class QLowBit:
     bits: int = struct.field(pytree_node=False)
     group: int = struct.field(pytree_node=False)  # input columns per group (in: per channel)
     in_features: int = struct.field(pytree_node=False)
+    act: str = struct.field(pytree_node=False, default="none")  # ACTS
 
     @property
     def shape(self) -> tuple:
@@ -99,6 +105,40 @@ class QLowBit:
         """A tied head over the table's first ``vocab`` rows."""
         table = self if self.codes.shape[0] == vocab else self.rows(slice(None, vocab))
         return matmul(x, table, jnp.float32, backend)
+
+
+def round_blocks(x: Float[Array, "... i"]) -> Float[Array, "... i"]:
+    """x rounded to 8 bits per BLOCK columns (the last block shorter): d = max|x| · (1/127) over
+    the block, x̂ = round(x / d) · d, round half to even (0 where the block is all zeros);
+    float32. The C++ kernel's rounding (``int8_x``), to the bit."""
+    x = x.astype(jnp.float32)
+    n = x.shape[-1]
+    pad = -n % BLOCK
+    xb = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], -1, BLOCK)
+    d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) * np.float32(1 / 127)
+    q = jnp.where(d > 0, jnp.clip(jnp.round(xb / jnp.where(d > 0, d, 1)), -127, 127), 0)
+    return (q * d).reshape(*x.shape[:-1], -1)[..., :n]
+
+
+def round_inputs(params) -> dict:
+    """``params`` with every 4-bit node whose groups are whole blocks of BLOCK columns taking
+    its input rounded to 8 bits (``act="block"``): on a CPU the kernel then multiplies integers,
+    llama.cpp's arithmetic for its 4-bit blocks (faster there, the products off by that
+    rounding). Other nodes (an 8-bit table, other group sizes) keep float inputs."""
+    kinds = lambda v: isinstance(v, QLowBit)  # noqa: E731
+    hit = []
+
+    def one(v):
+        if kinds(v) and v.bits == 4 and v.group % BLOCK == 0:
+            hit.append(v)
+            return v.replace(act="block")
+        return v
+    out = jax.tree.map(one, params, is_leaf=kinds)
+    if not hit:
+        raise ValueError(f"no 4-bit weights in groups of a multiple of {BLOCK} columns here: "
+                         f"rounding inputs applies to them (load a GGUF file's Q4_0 / Q4_1 "
+                         f"blocks with keep_quantized=True, or quantize with a group of 32k)")
+    return out
 
 
 def check(bits: int, group: int, in_features: int) -> None:
@@ -172,10 +212,19 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32, backend: 
     :func:`xla_matmul`. On a CPU with AVX2, a few rows (decode) of 4- or 8-bit codes go to the
     C++ kernel that widens the codes in registers (pallas_kernels.cpu.lowbit_rows); more rows,
     and other CPUs, use :func:`xla_matmul`. ``backend="xla"`` (a ModelConfig's
-    ``kernels.int8``) chooses the XLA form everywhere."""
+    ``kernels.int8``) chooses the XLA form everywhere. A node with ``act="block"``
+    (:func:`round_inputs`) multiplies x rounded to 8 bits per 32 columns on every path; the
+    CPU kernel then multiplies integers."""
     lead, n = x.shape[:-1], node.in_features
     out = node.codes.shape[0]
     x2 = x.reshape(-1, n)
+    if node.act not in ACTS:
+        raise ValueError(f"unknown input rounding act={node.act!r}; choose one of {ACTS}")
+    rounded = node.act == "block"
+    # The kernel rounds x itself and multiplies integers where it can; every other path
+    # multiplies the rounded x in float.
+    int8_x = rounded and node.bits == 4 and node.group % BLOCK == 0
+    rx = (lambda x2: round_blocks(x2.astype(dtype))) if rounded else (lambda x2: x2)
 
     def xla(x2):
         return xla_matmul(x2, node, dtype)
@@ -184,12 +233,13 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32, backend: 
         if kernel.supports(node.bits, node.group, n, out, backend) is not None:
             return xla
         return lambda x2: kernel.lowbit_matmul(
-            x2, node.codes, node.scale, node.offset, bits=node.bits, group=node.group,
+            rx(x2), node.codes, node.scale, node.offset, bits=node.bits, group=node.group,
             in_features=n, dtype=dtype, backend=backend).astype(dtype)
     def on_cpu(x2):
-        return cpu_kernels.lowbit_rows(x2.astype(dtype).astype(jnp.float32), node.codes,
-                                       node.scale, node.offset, node.bits,
-                                       node.group).astype(dtype)
+        x2 = x2.astype(dtype).astype(jnp.float32)
+        return cpu_kernels.lowbit_rows(x2 if int8_x else rx(x2), node.codes, node.scale,
+                                       node.offset, node.bits, node.group,
+                                       int8_x=int8_x).astype(dtype)
     if pallas_kernels.resolve_backend(backend) == "xla":
         y = xla(x2)
     else:
@@ -205,9 +255,12 @@ def xla_matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32
     chunk of input columns at a time inside a loop (:func:`chunk_columns`), so no float copy of
     it is ever whole, and a compiled program cannot hold every layer's at once
     (docs/KERNELS.md, "Low-bit weights"). Columns past the last whole chunk (whole words and
-    groups from its start) are a last, shorter step."""
+    groups from its start) are a last, shorter step. A node with ``act="block"`` multiplies x
+    rounded (:func:`round_blocks`)."""
     lead, n = x.shape[:-1], node.in_features
     xf = x.astype(dtype).astype(jnp.float32).reshape(-1, n)
+    if node.act == "block":
+        xf = round_blocks(xf.astype(dtype))
     C = chunk_columns(node)
     per = 32 // node.bits if node.bits in PACKED else 1
     out = node.codes.shape[0]

@@ -260,7 +260,7 @@ def to_plain(params) -> tuple[dict, dict]:
     for path, node in tree.flatten(params).items():
         if isinstance(node, QLowBit):  # k-bit weight-only (jaxllm.lowbit)
             spec[path] = {"kind": "lowbit", "bits": node.bits, "group": node.group,
-                          "in_features": node.in_features}
+                          "in_features": node.in_features, "act": node.act}
             for name in ("codes", "scale", "offset"):
                 flat[f"{path}/{name}"] = getattr(node, name)
         elif isinstance(node, QAttention):  # no arrays: only its spec entry
@@ -285,7 +285,8 @@ def from_plain(plain: dict, spec: dict) -> dict:
         if s.get("kind") == "lowbit":
             from .lowbit import QLowBit
             flat[path] = QLowBit(*(flat.pop(f"{path}/{n}") for n in ("codes", "scale", "offset")),
-                                 bits=s["bits"], group=s["group"], in_features=s["in_features"])
+                                 bits=s["bits"], group=s["group"], in_features=s["in_features"],
+                                 act=s.get("act", "none"))
             continue
         q, scale = flat.pop(f"{path}/q"), flat.pop(f"{path}/scale")
         flat[path] = QKernel(q, scale, flat.pop(f"{path}/act_scale", None), act=s["act"],

@@ -65,6 +65,76 @@ def test_decode_rows_take_the_kernel_and_a_prefill_keeps_xla():
                                    atol=2e-5)
 
 
+def np_round_blocks(x):
+    """numpy's x rounded to 8 bits per 32 columns: d = max|x| / 127 (as float32 times 1/127),
+    round half to even."""
+    x = np.asarray(x, np.float32)
+    out = np.zeros_like(x)
+    for j in range(0, x.shape[-1], 32):
+        b = x[..., j:j + 32]
+        d = np.max(np.abs(b), axis=-1, keepdims=True) * np.float32(1 / 127)
+        q = np.where(d > 0, np.clip(np.round(b / np.where(d > 0, d, 1)), -127, 127), 0)
+        out[..., j:j + 32] = q * d
+    return out
+
+
+def test_round_blocks_is_numpys_rounding():
+    x = RNG.standard_normal((3, 70)).astype(np.float32)
+    x[1, 32:64] = 0  # an all-zero block stays zero
+    x[2, :32] = np.arange(32) * (127 / 31)  # ties: halves rounded to even
+    np.testing.assert_array_equal(np.asarray(lowbit.round_blocks(jnp.asarray(x))),
+                                  np_round_blocks(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,N,K,group,dtype", [
+    (1, 1536, 576, 32, np.float16),  # SmolLM2's MLP up, Q4_1: the vectorised scale setup
+    (3, 64, 200, 64, np.float32),  # K not a multiple of 64; groups of two blocks
+    (2, 33, 70, 32, np.float16),  # a short last block; weight rows 4 at a time, then 1
+    (9, 20, 1536, 128, np.float16),  # more rows than one pass
+])
+def test_int8_inputs_are_numpys_product_with_x_rounded(M, N, K, group, dtype):
+    """act="block": the kernel rounds x per 32 columns (to the bit as numpy does) and multiplies
+    integers: numpy's float64 product of the rounded x and the dequantized weight, to float32
+    rounding; XLA's form (``kernels.int8="xla"``) gives the same. Without the rounding the
+    products differ by more than that: the rounding is really applied."""
+    w = node(N, K, group, dtype).replace(act="block")
+    x = RNG.standard_normal((M, K)).astype(np.float32)
+    want = np_round_blocks(x).astype(np.float64) @ lowbit.numpy_dequantize(w).T
+    tol = 2e-6 * np.abs(want).max() * np.sqrt(K)
+    f = jax.jit(lambda x, w: lowbit.matmul(x, w))
+    assert 'int8_x = true' in f.lower(x, w).as_text()
+    np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=0, atol=tol)
+    np.testing.assert_allclose(np.asarray(lowbit.matmul(x, w, backend="xla")), want, rtol=0,
+                               atol=tol)
+    plain = np.asarray(lowbit.matmul(x, w.replace(act="none")))
+    assert np.abs(plain - want).max() > 10 * tol
+
+
+def test_round_inputs_marks_4_bit_nodes_in_blocks_and_survives_saving(tmp_path):
+    """lowbit.round_inputs: 4-bit nodes with groups of whole 32-column blocks take rounded
+    inputs, others not; the choice is saved with the model; a model without such nodes is
+    refused in one line."""
+    import dataclasses
+    import jaxllm
+    from conftest import LLAMA
+    from jaxllm import gptq, tree
+    cfg = dataclasses.replace(LLAMA, num_layers=1, hidden_size=64, intermediate_size=128)
+    params = jaxllm.init_params(cfg, jax.random.key(0))
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size))
+    q, _ = gptq.quantize_model(params, cfg, toks, gptq.GPTQConfig("rtn", bits=4, group=32))
+    r = lowbit.round_inputs(q)
+    acts = {k: v.act for k, v in tree.flatten(r).items() if isinstance(v, lowbit.QLowBit)}
+    assert set(acts.values()) == {"block"} and len(acts) == 7
+    jaxllm.save_model(str(tmp_path / "m"), cfg, r)
+    _, back, _ = jaxllm.load_model(str(tmp_path / "m"))
+    assert {k: v.act for k, v in tree.flatten(back).items()
+            if isinstance(v, lowbit.QLowBit)} == acts
+    q16, _ = gptq.quantize_model(params, cfg, toks, gptq.GPTQConfig("rtn", bits=4, group=16))
+    with pytest.raises(ValueError, match="no 4-bit weights in groups of a multiple of 32"):
+        lowbit.round_inputs(q16)
+
+
 @needs_kernel
 def test_two_threads_in_the_kernel_at_once_each_get_their_product():
     """Two calls at once (XLA runs independent products, a layer's q, k and v, on two threads;

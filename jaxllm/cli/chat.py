@@ -40,6 +40,7 @@ def cmd_chat(a) -> None:
     from ..chat import Chat
     pc = policy(a)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
+                            int8_inputs=a.int8_inputs,
                             file_blocks=True)
     cache, capacity = streaming_cache(a, cfg, pc)
     try:

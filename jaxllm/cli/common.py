@@ -176,6 +176,12 @@ def add_weights_arg(p: argparse.ArgumentParser, file_blocks: bool = False) -> No
                                         "(--weights float32 for float weights)"
                                         if file_blocks else ""))
     add_keep_quantized_arg(p, file_blocks)
+    p.add_argument("--int8-inputs", action="store_true",
+                   help="round the input of every 4-bit product (groups of 32 columns or a "
+                        "multiple) to 8 bits per 32 columns, as llama.cpp does: on a CPU the "
+                        "kernel then multiplies integers, faster, and the outputs move by that "
+                        "rounding (jaxllm.lowbit.round_inputs; docs/CPU.md, \"Low-bit "
+                        "products\")")
 
 
 def add_keep_quantized_arg(p: argparse.ArgumentParser, default: bool = False) -> None:
@@ -186,12 +192,13 @@ def add_keep_quantized_arg(p: argparse.ArgumentParser, default: bool = False) ->
 
 
 def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
-         keep_quantized: bool = False, file_blocks: bool = False):
+         keep_quantized: bool = False, file_blocks: bool = False, int8_inputs: bool = False):
     """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError.
     ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`;
     ``keep_quantized``: a GGUF file's 4- and 8-bit linears kept as they are; ``file_blocks``:
     so by default with ``weights`` "stored" (the commands that decode: chat, generate, serve;
-    twice float32's decode speed on a CPU, docs/CPU.md)."""
+    twice float32's decode speed on a CPU, docs/CPU.md); ``int8_inputs``: 4-bit products take
+    their input rounded to 8 bits (jaxllm.lowbit.round_inputs)."""
     import time
 
     import jax
@@ -225,6 +232,12 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
             params = decode_weights(params, weights)
         except ValueError as e:
             raise CliError(f"--weights {weights}: {e}") from None
+    if int8_inputs:
+        from ..lowbit import round_inputs
+        try:
+            params = round_inputs(params)
+        except ValueError as e:
+            raise CliError(f"--int8-inputs: {e}") from None
     return_freed_memory()  # the file's buffers, copied into the arrays
     if model.startswith("random:"):
         print(RANDOM_NOTE.format(model=model), file=sys.stderr)

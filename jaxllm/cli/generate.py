@@ -46,6 +46,7 @@ def cmd_generate(a) -> None:
     texts = prompts(a)
     pc = policy(a)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
+                            int8_inputs=a.int8_inputs,
                             file_blocks=True)
     sc = sampling(a, tok)
     cache, _ = streaming_cache(a, cfg, pc, len(tok.encode(texts[0])))

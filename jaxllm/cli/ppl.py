@@ -50,7 +50,8 @@ def cmd_ppl(a) -> None:
     text = read_text(a.text) if a.text else builtin_corpus()
     srcs = sources(a.model) + ([a.text] if a.text else [])
     check_files({"--json": a.json, "--plot": a.plot}, srcs)
-    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized)
+    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
+                            int8_inputs=a.int8_inputs)
     ids, more = encode_head(tok, text, a.max_tokens)
     if more and not a.quiet:
         print(f"scoring the text's first {a.max_tokens:,} tokens, of its "

@@ -53,6 +53,7 @@ def cmd_serve(a) -> None:
     from ..serve import Engine, make_app
     pc = policy(a)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
+                            int8_inputs=a.int8_inputs,
                             file_blocks=True)
     try:
         engine = Engine(params, cfg, tok, pc, slots=a.slots, max_queue=a.max_queue,

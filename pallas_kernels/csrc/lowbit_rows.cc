@@ -26,9 +26,13 @@
 //
 // 8 bits: 8 codes widened a load (vpmovzxbd), one FMA a row, each group's sums scaled once.
 //
+// int8_x (4 bits, G a multiple of 32): x rounded to 8 bits per 32 columns and multiplied as
+// integers (rows_i8_at below); the caller asked for that rounding (jaxllm.lowbit.QLowBit.act).
+//
 // AVX2 with FMA and F16C (every x86-64 CPU since 2013-2015, AMD's included); machines without
 // them keep XLA's form. AVX-512 has no path here (not measured: the machines at hand lack it).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -65,6 +69,11 @@ inline void to_f32(const uint16_t* p, int64_t n, float* out) {
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
                                   reinterpret_cast<const __m128i*>(p + i))));
   for (; i < n; ++i) out[i] = _cvtsh_ss(p[i]);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline float hsum(__m256 v) {
@@ -263,11 +272,130 @@ void product(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const
                                 scale, offset, y + m0 * N, K, W, Gn, G, N, n0, n1);
   });
 }
+// x rounded to 8 bits (``int8_x``, 4-bit codes, G a multiple of 32): each row of x in blocks of
+// 32 columns, q = round(x / d), d = max|x| / 127 over the block (jaxllm.lowbit.round_blocks,
+// to the bit), and the codes multiplied as integers, 32 products an instruction (vpmaddubsw),
+// llama.cpp's arithmetic for its 4-bit blocks. A load of 8 words holds 64 codes; its low
+// nibbles (bytes of c & 0x0f0f0f0f) are the even columns of each word, its high ones the odd,
+// so x is laid out once per call in that order (xlo, xhi) and each word's 8 products land in
+// its own 32-bit lane: lanes 0-3 are block 2b, lanes 4-7 block 2b + 1, scaled by s_g * d at the
+// end. Offsets multiply the rounded x's group sums.
+// Rows of x one at a time, NB = 4 weight rows each (decode: one row). scratch: room for
+// Gn + 4 * 2 * blocks floats.
+template <int NB, typename S>
+void rows_i8_at(const int8_t* xlo, const int8_t* xhi, const float* d, const float* xs,
+                const uint32_t* codes, const S* scale, const S* offset, float* y, int64_t K,
+                int64_t W, int64_t Gn, int64_t G, int64_t n, float* scratch) {
+  const int64_t blocks = (W + 7) / 8, nb32 = 2 * blocks;
+  const __m256i nibbles = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  // sd[i][j] = (the group scale of x block j) * d[j], for weight row n + i (d is 0 past K).
+  // Vectorised for groups of 32 (GGUF's Q4_0 / Q4_1): done as scalars, this setup cost as much
+  // as the products.
+  float *sg = scratch, *sd = scratch + Gn;
+  for (int i = 0; i < NB; ++i) {
+    const S* si = scale + (n + i) * Gn;
+    float* sdi = sd + i * nb32;
+    int64_t j = 0;
+    if (G == 32)
+      for (; j + 8 <= Gn; j += 8)
+        _mm256_storeu_ps(sdi + j, _mm256_mul_ps(load8(si + j), _mm256_loadu_ps(d + j)));
+    to_f32(si, Gn, sg);
+    for (; j < nb32; ++j) sdi[j] = sg[std::min(Gn - 1, 32 * j / G)] * d[j];
+  }
+  __m256 acc[NB];
+  for (int i = 0; i < NB; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xlo + 32 * b));
+    const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xhi + 32 * b));
+    for (int i = 0; i < NB; ++i) {
+      const uint32_t* c = codes + (n + i) * W + 8 * b;
+      __m256i v;
+      if (8 * b + 8 <= W) {
+        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      } else {  // the row's last words, zero codes after them
+        alignas(32) uint32_t tail[8] = {0};
+        std::memcpy(tail, c, sizeof(uint32_t) * (W - 8 * b));
+        v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+      }
+      const __m256i lo = _mm256_and_si256(v, nibbles);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
+      // u4 x s8 pairs summed to s16 (at most 2 * 15 * 127 each, 4 * 15 * 127 both: no
+      // saturation), then each word's four pairs to s32.
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                         _mm256_maddubs_epi16(hi, xh));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+      const float* sdi = sd + i * nb32 + 2 * b;
+      acc[i] = _mm256_fmadd_ps(f, _mm256_set_m128(_mm_set1_ps(sdi[1]), _mm_set1_ps(sdi[0])),
+                               acc[i]);
+    }
+  }
+  float* of = scratch;  // (the scales' room, read above)
+  for (int i = 0; i < NB; ++i) {
+    to_f32(offset + (n + i) * Gn, Gn, of);
+    __m256 t = acc[i];
+    int64_t g = 0;
+    for (; g + 8 <= Gn; g += 8)
+      t = _mm256_fmadd_ps(_mm256_loadu_ps(of + g), _mm256_loadu_ps(xs + g), t);
+    float sum = hsum(t);
+    for (; g < Gn; ++g) sum += of[g] * xs[g];
+    y[n + i] = sum;
+  }
+}
+
+// Row m of x rounded in blocks of 32 into xlo / xhi ([blocks][32] each, the nibbles' order
+// above; zero past K) with the blocks' scales d [2 * blocks], and the rounded row's group sums
+// xs [Gn].
+void round_row(const float* x, int64_t K, int64_t blocks, int64_t G, int8_t* xlo, int8_t* xhi,
+               float* d, float* xs) {
+  for (int64_t j = 0; j < 2 * blocks; ++j) {
+    const int64_t k0 = 32 * j, k1 = std::min(K, k0 + 32);
+    float top = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(x[k]));
+    const float dj = top * (1.0f / 127.0f);
+    d[j] = dj;
+    for (int64_t k = k0; k < k0 + 32; ++k) {
+      float q = 0.0f;
+      if (k < K && dj > 0.0f) q = std::min(127.0f, std::max(-127.0f, std::nearbyintf(x[k] / dj)));
+      const int64_t b = k / 64, w = (k % 64) / 8, f = k % 8;
+      (f % 2 ? xhi : xlo)[32 * b + 4 * w + f / 2] = static_cast<int8_t>(q);
+      if (k < K) xs[k / G] += q * dj;
+    }
+  }
+}
+
+template <typename S>
+void product_i8(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const S* scale,
+                const S* offset, float* y, int64_t M, int64_t K, int64_t W, int64_t Gn,
+                int64_t G, int64_t N) {
+  const int64_t blocks = (W + 7) / 8;
+  std::vector<int8_t> xlo(M * blocks * 32), xhi(M * blocks * 32);
+  std::vector<float> d(M * 2 * blocks), xs(M * Gn, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    round_row(x + m * K, K, blocks, G, xlo.data() + m * blocks * 32,
+              xhi.data() + m * blocks * 32, d.data() + m * 2 * blocks, xs.data() + m * Gn);
+  row_passes(pool, M, N, K, [&](auto r, int64_t m0, int64_t n0, int64_t n1) {
+    std::vector<float> scratch(Gn + 4 * 2 * blocks);
+    for (int64_t m = m0; m < m0 + decltype(r)::value; ++m) {
+      const int8_t* lo = xlo.data() + m * blocks * 32;
+      const int8_t* hi = xhi.data() + m * blocks * 32;
+      const float* dm = d.data() + m * 2 * blocks;
+      const float* xm = xs.data() + m * Gn;
+      float* ym = y + m * N;
+      int64_t n = n0;
+      for (; n + 4 <= n1; n += 4)
+        rows_i8_at<4, S>(lo, hi, dm, xm, codes, scale, offset, ym, K, W, Gn, G, n,
+                         scratch.data());
+      for (; n < n1; ++n)
+        rows_i8_at<1, S>(lo, hi, dm, xm, codes, scale, offset, ym, K, W, Gn, G, n,
+                         scratch.data());
+    }
+  });
+}
 #endif  // JAXLLM_AVX2
 
 ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                       ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
-                      int64_t bits, int64_t group) {
+                      int64_t bits, int64_t group, bool int8_x) {
   const std::string name = "jaxllm_lowbit_rows";
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions(),
        od = offset.dimensions();
@@ -287,6 +415,9 @@ ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
       (scale.element_type() != ffi::F32 && scale.element_type() != ffi::F16))
     return ffi::Error::InvalidArgument(name + ": scale and offset must both be float32 or "
                                        "both float16");
+  if (int8_x && (!four || group % 32))
+    return ffi::Error::InvalidArgument(name + ": x rounded to 8 bits needs 4-bit codes in "
+                                       "groups of a multiple of 32 columns");
 #ifndef JAXLLM_AVX2
   (void)pool, (void)y, (void)M;
   return ffi::Error::InvalidArgument(name + " was built without AVX2, FMA and F16C; use XLA's "
@@ -295,7 +426,10 @@ ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   auto run = [&](auto* s, auto* o) {
-    if (four)
+    if (int8_x)
+      product_i8(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, M, K,
+                 W, Gn, group, N);
+    else if (four)
       product(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, M, K, W,
               Gn, group, N);
     else
@@ -332,4 +466,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLowbitRows, LowbitRows,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("group"));
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("int8_x"));

@@ -121,23 +121,25 @@ def round_blocks(x: Float[Array, "... i"]) -> Float[Array, "... i"]:
 
 
 def round_inputs(params) -> dict:
-    """``params`` with every 4-bit node whose groups are whole blocks of BLOCK columns taking
-    its input rounded to 8 bits (``act="block"``): on a CPU the kernel then multiplies integers,
-    llama.cpp's arithmetic for its 4-bit blocks (faster there, the products off by that
-    rounding). Other nodes (an 8-bit table, other group sizes) keep float inputs."""
+    """``params`` with every 4- and 8-bit node whose groups are whole blocks of BLOCK columns
+    taking its input rounded to 8 bits (``act="block"``): on a CPU the kernel then multiplies
+    integers, llama.cpp's arithmetic for its Q4_0 / Q4_1 / Q8_0 blocks (faster there, the
+    products off by that rounding). Other nodes (2- and 3-bit codes, other group sizes) keep
+    float inputs. An embedding table's lookups are unchanged; as a tied head it is a product."""
     kinds = lambda v: isinstance(v, QLowBit)  # noqa: E731
     hit = []
 
     def one(v):
-        if kinds(v) and v.bits == 4 and v.group % BLOCK == 0:
+        if kinds(v) and v.bits in (4, 8) and v.group % BLOCK == 0:
             hit.append(v)
             return v.replace(act="block")
         return v
     out = jax.tree.map(one, params, is_leaf=kinds)
     if not hit:
-        raise ValueError(f"no 4-bit weights in groups of a multiple of {BLOCK} columns here: "
-                         f"rounding inputs applies to them (load a GGUF file's Q4_0 / Q4_1 "
-                         f"blocks with keep_quantized=True, or quantize with a group of 32k)")
+        raise ValueError(f"no 4- or 8-bit weights in groups of a multiple of {BLOCK} columns "
+                         f"here: rounding inputs applies to them (load a GGUF file's Q4_0 / "
+                         f"Q4_1 / Q8_0 blocks with keep_quantized=True, or quantize with a "
+                         f"group of 32k)")
     return out
 
 
@@ -223,7 +225,7 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32, backend: 
     rounded = node.act == "block"
     # The kernel rounds x itself and multiplies integers where it can; every other path
     # multiplies the rounded x in float.
-    int8_x = rounded and node.bits == 4 and node.group % BLOCK == 0
+    int8_x = rounded and node.bits in (4, 8) and node.group % BLOCK == 0
     rx = (lambda x2: round_blocks(x2.astype(dtype))) if rounded else (lambda x2: x2)
 
     def xla(x2):

@@ -283,8 +283,8 @@ def lowbit_rows(x: Float[Array, "m k"], codes: Array, scale: Array, offset: Arra
                 group: int, int8_x: bool = False) -> Float[Array, "m n"]:
     """x @ ŵᵀ by the kernel (``csrc/lowbit_rows.cc``) for 4-bit codes [N, ceil(K / 8)] uint32
     (jaxllm.lowbit's packing) or 8-bit ones [N, K] uint8, with per-group ``scale`` and
-    ``offset`` [N, ceil(K / group)] (float32 or float16); float32 sums. ``int8_x`` (4-bit
-    codes, group a multiple of 32): x rounded to 8 bits per 32 columns first
+    ``offset`` [N, ceil(K / group)] (float32 or float16); float32 sums. ``int8_x`` (group a
+    multiple of 32): x rounded to 8 bits per 32 columns first
     (jaxllm.lowbit.round_blocks, to the bit) and the codes multiplied as integers."""
     if not lowbit_available():
         raise CPUKernelError(f"the low-bit CPU kernel is not available: {_why_not_lowbit()}")
@@ -300,9 +300,9 @@ def lowbit_rows(x: Float[Array, "m k"], codes: Array, scale: Array, offset: Arra
                          f"dtype, group a multiple of 8; got x {x.shape}, {bits}-bit codes "
                          f"{codes.shape} {codes.dtype}, scale {scale.shape} {scale.dtype}, "
                          f"offset {offset.shape} {offset.dtype}, group {group}")
-    if int8_x and (bits != 4 or group % 32):
-        raise ValueError(f"lowbit_rows rounds x to 8 bits (int8_x) for 4-bit codes in groups of "
-                         f"a multiple of 32 columns; got {bits}-bit codes, group {group}")
+    if int8_x and group % 32:
+        raise ValueError(f"lowbit_rows rounds x to 8 bits (int8_x) for codes in groups of a "
+                         f"multiple of 32 columns; got group {group}")
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)
     return jax.ffi.ffi_call(LOWBIT_TARGET, out, vmap_method="sequential")(
         x.astype(jnp.float32), codes, scale, offset, bits=np.int64(bits), group=np.int64(group),

@@ -87,18 +87,21 @@ def test_round_blocks_is_numpys_rounding():
 
 
 @needs_kernel
-@pytest.mark.parametrize("M,N,K,group,dtype", [
-    (1, 1536, 576, 32, np.float16),  # SmolLM2's MLP up, Q4_1: the vectorised scale setup
-    (3, 64, 200, 64, np.float32),  # K not a multiple of 64; groups of two blocks
-    (2, 33, 70, 32, np.float16),  # a short last block; weight rows 4 at a time, then 1
-    (9, 20, 1536, 128, np.float16),  # more rows than one pass
+@pytest.mark.parametrize("M,N,K,group,dtype,bits", [
+    (1, 1536, 576, 32, np.float16, 4),  # SmolLM2's MLP up, Q4_1: the vectorised scale setup
+    (3, 64, 200, 64, np.float32, 4),  # K not a multiple of 64; groups of two blocks
+    (2, 33, 70, 32, np.float16, 4),  # a short last block; weight rows 4 at a time, then 1
+    (9, 20, 1536, 128, np.float16, 4),  # more rows than one pass
+    (1, 3000, 576, 32, np.float16, 8),  # SmolLM2's Q8_0 head, some of its rows
+    (2, 33, 70, 32, np.float32, 8),  # a short last block
+    (3, 40, 256, 128, np.float16, 8),  # groups of four blocks
 ])
-def test_int8_inputs_are_numpys_product_with_x_rounded(M, N, K, group, dtype):
+def test_int8_inputs_are_numpys_product_with_x_rounded(M, N, K, group, dtype, bits):
     """act="block": the kernel rounds x per 32 columns (to the bit as numpy does) and multiplies
     integers: numpy's float64 product of the rounded x and the dequantized weight, to float32
     rounding; XLA's form (``kernels.int8="xla"``) gives the same. Without the rounding the
     products differ by more than that: the rounding is really applied."""
-    w = node(N, K, group, dtype).replace(act="block")
+    w = node(N, K, group, dtype, bits).replace(act="block")
     x = RNG.standard_normal((M, K)).astype(np.float32)
     want = np_round_blocks(x).astype(np.float64) @ lowbit.numpy_dequantize(w).T
     tol = 2e-6 * np.abs(want).max() * np.sqrt(K)
@@ -131,7 +134,7 @@ def test_round_inputs_marks_4_bit_nodes_in_blocks_and_survives_saving(tmp_path):
     assert {k: v.act for k, v in tree.flatten(back).items()
             if isinstance(v, lowbit.QLowBit)} == acts
     q16, _ = gptq.quantize_model(params, cfg, toks, gptq.GPTQConfig("rtn", bits=4, group=16))
-    with pytest.raises(ValueError, match="no 4-bit weights in groups of a multiple of 32"):
+    with pytest.raises(ValueError, match="no 4- or 8-bit weights in groups of a multiple of"):
         lowbit.round_inputs(q16)
 
 

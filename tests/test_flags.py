@@ -106,7 +106,7 @@ def test_library_errors_name_their_settings_and_the_cli_its_flags(capsys):
     (["eval", "kv-shift", "--bits", "8,5"], "--bits 5: the token format packs 2, 3, 4 or 8"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "2147483647"],
      "max_new_tokens=2147483647 needs 16.0 GiB for the generated tokens"),
-    (["ppl", "--int8-inputs"], "--int8-inputs: no 4-bit weights in groups of a multiple of 32"),
+    (["ppl", "--int8-inputs"], "--int8-inputs: no 4- or 8-bit weights in groups of a multiple"),
 ])
 def test_list_flags_and_huge_budgets_are_refused_in_one_line(argv, msg, capsys, monkeypatch):
     import sys

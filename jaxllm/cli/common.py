@@ -177,8 +177,8 @@ def add_weights_arg(p: argparse.ArgumentParser, file_blocks: bool = False) -> No
                                         if file_blocks else ""))
     add_keep_quantized_arg(p, file_blocks)
     p.add_argument("--int8-inputs", action="store_true",
-                   help="round the input of every 4-bit product (groups of 32 columns or a "
-                        "multiple) to 8 bits per 32 columns, as llama.cpp does: on a CPU the "
+                   help="round the input of every 4- and 8-bit product (groups of 32 columns "
+                        "or a multiple) to 8 bits per 32 columns, as llama.cpp does: on a CPU the "
                         "kernel then multiplies integers, faster, and the outputs move by that "
                         "rounding (jaxllm.lowbit.round_inputs; docs/CPU.md, \"Low-bit "
                         "products\")")

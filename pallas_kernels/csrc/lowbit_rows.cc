@@ -26,8 +26,8 @@
 //
 // 8 bits: 8 codes widened a load (vpmovzxbd), one FMA a row, each group's sums scaled once.
 //
-// int8_x (4 bits, G a multiple of 32): x rounded to 8 bits per 32 columns and multiplied as
-// integers (rows_i8_at below); the caller asked for that rounding (jaxllm.lowbit.QLowBit.act).
+// int8_x (G a multiple of 32): x rounded to 8 bits per 32 columns and multiplied as integers
+// (rows_i8_at, rows8_i8 below); the caller asked for that rounding (jaxllm.lowbit.QLowBit.act).
 //
 // AVX2 with FMA and F16C (every x86-64 CPU since 2013-2015, AMD's included); machines without
 // them keep XLA's form. AVX-512 has no path here (not measured: the machines at hand lack it).
@@ -363,6 +363,79 @@ void round_row(const float* x, int64_t K, int64_t blocks, int64_t G, int8_t* xlo
   }
 }
 
+// The 8-bit codes' integer form (int8_x, 8 bits): w = c - 128 as signed bytes (the offset
+// takes the 128: o' = o + 128 s), and vpmaddubsw multiplies |w| (unsigned) by x with w's sign
+// (vpsignb): each pair at most 2 * 128 * 127, no saturation. x is in natural column order here
+// (xlo: [2 * blocks][32], zero past K); each 256-bit lane of 8 s32 sums one block of 32.
+template <typename S>
+void rows8_i8(const int8_t* xq, const float* d, const float* xs, const uint8_t* codes,
+              const S* scale, const S* offset, float* y, int64_t K, int64_t nb32, int64_t Gn,
+              int64_t G, int64_t n0, int64_t n1) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const int64_t whole = K / 32;  // blocks read straight from the row; the last one copied
+  std::vector<float> sd(nb32);  // the row's scale of block j times d[j] (as rows_i8_at)
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * K;
+    const S* sn = scale + n * Gn;
+    int64_t i = 0;
+    if (G == 32)
+      for (; i + 8 <= Gn; i += 8)
+        _mm256_storeu_ps(sd.data() + i, _mm256_mul_ps(load8(sn + i), _mm256_loadu_ps(d + i)));
+    for (; i < nb32; ++i) sd[i] = load_scalar(sn, 32 * i / G) * d[i];
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb32 && 32 * j < K; ++j) {
+      __m256i v;
+      if (j < whole) {
+        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
+      } else {
+        alignas(32) uint8_t tail[32];
+        std::memset(tail, 128, 32);  // w = 0 past K
+        std::memcpy(tail, c + 32 * j, K - 32 * j);
+        v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+      }
+      const __m256i w = _mm256_xor_si256(v, flip);  // c - 128 as a signed byte
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
+      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+      acc = _mm256_fmadd_ps(f, _mm256_set1_ps(sd[j]), acc);
+    }
+    float sum = hsum(acc);
+    for (int64_t g = 0; g < Gn; ++g)
+      sum += (load_scalar(offset + n * Gn, g) + 128.0f * load_scalar(sn, g)) * xs[g];
+    y[n] = sum;
+  }
+}
+
+template <typename S>
+void product8_i8(ffi::ThreadPool& pool, const float* x, const uint8_t* codes, const S* scale,
+                 const S* offset, float* y, int64_t M, int64_t K, int64_t Gn, int64_t G,
+                 int64_t N) {
+  const int64_t nb32 = (K + 31) / 32;
+  std::vector<int8_t> xq(M * nb32 * 32, 0);
+  std::vector<float> d(M * nb32), xs(M * Gn, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    for (int64_t j = 0; j < nb32; ++j) {
+      const int64_t k0 = 32 * j, k1 = std::min(K, k0 + 32);
+      float top = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(xm[k]));
+      const float dj = top * (1.0f / 127.0f);
+      d[m * nb32 + j] = dj;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float q = dj > 0.0f ? std::min(127.0f, std::max(-127.0f, std::nearbyintf(xm[k] / dj)))
+                                  : 0.0f;
+        xq[m * nb32 * 32 + k] = static_cast<int8_t>(q);
+        xs[m * Gn + k / G] += q * dj;
+      }
+    }
+  }
+  row_passes(pool, M, N, K, [&](auto r, int64_t m0, int64_t n0, int64_t n1) {
+    for (int64_t m = m0; m < m0 + decltype(r)::value; ++m)
+      rows8_i8<S>(xq.data() + m * nb32 * 32, d.data() + m * nb32, xs.data() + m * Gn, codes,
+                  scale, offset, y + m * N, K, nb32, Gn, G, n0, n1);
+  });
+}
+
 template <typename S>
 void product_i8(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const S* scale,
                 const S* offset, float* y, int64_t M, int64_t K, int64_t W, int64_t Gn,
@@ -415,9 +488,9 @@ ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
       (scale.element_type() != ffi::F32 && scale.element_type() != ffi::F16))
     return ffi::Error::InvalidArgument(name + ": scale and offset must both be float32 or "
                                        "both float16");
-  if (int8_x && (!four || group % 32))
-    return ffi::Error::InvalidArgument(name + ": x rounded to 8 bits needs 4-bit codes in "
-                                       "groups of a multiple of 32 columns");
+  if (int8_x && group % 32)
+    return ffi::Error::InvalidArgument(name + ": x rounded to 8 bits needs groups of a "
+                                       "multiple of 32 columns");
 #ifndef JAXLLM_AVX2
   (void)pool, (void)y, (void)M;
   return ffi::Error::InvalidArgument(name + " was built without AVX2, FMA and F16C; use XLA's "
@@ -426,9 +499,12 @@ ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   auto run = [&](auto* s, auto* o) {
-    if (int8_x)
+    if (int8_x && four)
       product_i8(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, M, K,
                  W, Gn, group, N);
+    else if (int8_x)
+      product8_i8(pool, xp, static_cast<const uint8_t*>(codes.untyped_data()), s, o, yp, M, K,
+                  Gn, group, N);
     else if (four)
       product(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, M, K, W,
               Gn, group, N);

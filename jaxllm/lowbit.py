@@ -32,8 +32,9 @@ from pallas_kernels.reference import after
 BITS = (2, 3, 4, 8)
 PACKED = (2, 3, 4)
 # How a node's products take their input: ``none``, x as it is (float); ``block``, x rounded to
-# 8 bits per 32 columns first (:func:`round_blocks`), as llama.cpp multiplies its 4-bit blocks:
-# on a CPU the C++ kernel then multiplies integers (docs/CPU.md, "Low-bit products").
+# 8 bits per 32 columns first (:func:`round_blocks`), as llama.cpp multiplies its blocks (Q4_0,
+# Q4_1, Q8_0): on a CPU the C++ kernel then multiplies integers (docs/CPU.md, "Low-bit
+# products").
 ACTS = ("none", "block")
 BLOCK = 32  # input columns per 8-bit scale of ``block``
 

@@ -114,6 +114,20 @@ def test_int8_inputs_are_numpys_product_with_x_rounded(M, N, K, group, dtype, bi
     assert np.abs(plain - want).max() > 10 * tol
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_rounded_inputs_lower_to_the_pallas_kernel_on_gpu_and_tpu(platform):
+    """A node with act="block" lowered for a GPU or TPU on this CPU: its x is rounded by
+    round_blocks (its max and round ops are in the program) and the product is the packed
+    Pallas kernel, not the CPU's FFI call."""
+    w = node(256, 512, 32, np.float16).replace(act="block")
+    x = jax.ShapeDtypeStruct((8, 512), jnp.bfloat16)
+    text = jax.jit(lambda x, w: lowbit.matmul(x, w, jnp.bfloat16)).trace(x, w).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert cpu.LOWBIT_TARGET not in text
+    assert ("__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call") in text
+    assert "stablehlo.round_nearest_even" in text
+
+
 def test_round_inputs_marks_4_bit_nodes_in_blocks_and_survives_saving(tmp_path):
     """lowbit.round_inputs: 4-bit nodes with groups of whole 32-column blocks take rounded
     inputs, others not; the choice is saved with the model; a model without such nodes is
@@ -149,6 +163,9 @@ def test_two_threads_in_the_kernel_at_once_each_get_their_product():
     xs = [RNG.standard_normal((1, 256)).astype(np.float32) for _ in range(2)]
     f = jax.jit(lambda x, w: cpu.lowbit_rows(x, w.codes, w.scale, w.offset, 4, 32))
     want = [np.asarray(f(x, w)) for x, w in zip(xs, ws)]
+    for x, w, got in zip(xs, ws, want):  # each alone is numpy's product
+        ref = x.astype(np.float64) @ lowbit.numpy_dequantize(w).T
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max() * 16)
     same = [[], []]
 
     def calls(i):

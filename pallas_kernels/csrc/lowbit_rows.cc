@@ -76,6 +76,14 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// 8 words of codes from c, of which ``left`` remain in the row: past them zero codes.
+inline __m256i load_words(const uint32_t* c, int64_t left) {
+  if (left >= 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  alignas(32) uint32_t tail[8] = {0};
+  std::memcpy(tail, c, sizeof(uint32_t) * left);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -136,14 +144,7 @@ void rows_at(const float* xt, const float* xs, const uint32_t* codes, const floa
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i v[NB];
     for (int i = 0; i < NB; ++i) {
-      const uint32_t* c = codes + (n + i) * W + 8 * b;
-      if (8 * b + 8 <= W) {
-        v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-      } else {  // the row's last words, zero codes after them
-        alignas(32) uint32_t tail[8] = {0};
-        std::memcpy(tail, c, sizeof(uint32_t) * (W - 8 * b));
-        v[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
-      }
+      v[i] = load_words(codes + (n + i) * W + 8 * b, W - 8 * b);
     }
     __m256 acc[R][NB];
     for (int r = 0; r < R; ++r)
@@ -308,15 +309,7 @@ void rows_i8_at(const int8_t* xlo, const int8_t* xhi, const float* d, const floa
     const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xlo + 32 * b));
     const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xhi + 32 * b));
     for (int i = 0; i < NB; ++i) {
-      const uint32_t* c = codes + (n + i) * W + 8 * b;
-      __m256i v;
-      if (8 * b + 8 <= W) {
-        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-      } else {  // the row's last words, zero codes after them
-        alignas(32) uint32_t tail[8] = {0};
-        std::memcpy(tail, c, sizeof(uint32_t) * (W - 8 * b));
-        v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
-      }
+      const __m256i v = load_words(codes + (n + i) * W + 8 * b, W - 8 * b);
       const __m256i lo = _mm256_and_si256(v, nibbles);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
       // u4 x s8 pairs summed to s16 (at most 2 * 15 * 127 each, 4 * 15 * 127 both: no
@@ -342,31 +335,30 @@ void rows_i8_at(const int8_t* xlo, const int8_t* xhi, const float* d, const floa
   }
 }
 
-// Row m of x rounded in blocks of 32 into xlo / xhi ([blocks][32] each, the nibbles' order
-// above; zero past K) with the blocks' scales d [2 * blocks], and the rounded row's group sums
-// xs [Gn].
-void round_row(const float* x, int64_t K, int64_t blocks, int64_t G, int8_t* xlo, int8_t* xhi,
-               float* d, float* xs) {
-  for (int64_t j = 0; j < 2 * blocks; ++j) {
+// A row x [K] rounded in blocks of 32 (jaxllm.lowbit.round_blocks, to the bit): q [nb32 * 32]
+// in column order (zero past K), the blocks' scales d [nb32] (0 past K), and the rounded row's
+// group sums xs [Gn] (added to).
+void round_row(const float* x, int64_t K, int64_t nb32, int64_t G, int8_t* q, float* d,
+               float* xs) {
+  for (int64_t j = 0; j < nb32; ++j) {
     const int64_t k0 = 32 * j, k1 = std::min(K, k0 + 32);
     float top = 0.0f;
     for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(x[k]));
     const float dj = top * (1.0f / 127.0f);
     d[j] = dj;
     for (int64_t k = k0; k < k0 + 32; ++k) {
-      float q = 0.0f;
-      if (k < K && dj > 0.0f) q = std::min(127.0f, std::max(-127.0f, std::nearbyintf(x[k] / dj)));
-      const int64_t b = k / 64, w = (k % 64) / 8, f = k % 8;
-      (f % 2 ? xhi : xlo)[32 * b + 4 * w + f / 2] = static_cast<int8_t>(q);
-      if (k < K) xs[k / G] += q * dj;
+      float v = 0.0f;
+      if (k < k1 && dj > 0.0f) v = std::min(127.0f, std::max(-127.0f, std::nearbyintf(x[k] / dj)));
+      q[k] = static_cast<int8_t>(v);
+      if (k < k1) xs[k / G] += v * dj;
     }
   }
 }
 
 // The 8-bit codes' integer form (int8_x, 8 bits): w = c - 128 as signed bytes (the offset
 // takes the 128: o' = o + 128 s), and vpmaddubsw multiplies |w| (unsigned) by x with w's sign
-// (vpsignb): each pair at most 2 * 128 * 127, no saturation. x is in natural column order here
-// (xlo: [2 * blocks][32], zero past K); each 256-bit lane of 8 s32 sums one block of 32.
+// (vpsignb): each pair at most 2 * 128 * 127, no saturation. x in column order (xq:
+// [nb32][32], round_row); the 8 s32 lanes of a load together sum one block of 32.
 template <typename S>
 void rows8_i8(const int8_t* xq, const float* d, const float* xs, const uint8_t* codes,
               const S* scale, const S* offset, float* y, int64_t K, int64_t nb32, int64_t Gn,
@@ -411,24 +403,11 @@ void product8_i8(ffi::ThreadPool& pool, const float* x, const uint8_t* codes, co
                  const S* offset, float* y, int64_t M, int64_t K, int64_t Gn, int64_t G,
                  int64_t N) {
   const int64_t nb32 = (K + 31) / 32;
-  std::vector<int8_t> xq(M * nb32 * 32, 0);
+  std::vector<int8_t> xq(M * nb32 * 32);
   std::vector<float> d(M * nb32), xs(M * Gn, 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    for (int64_t j = 0; j < nb32; ++j) {
-      const int64_t k0 = 32 * j, k1 = std::min(K, k0 + 32);
-      float top = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) top = std::max(top, std::fabs(xm[k]));
-      const float dj = top * (1.0f / 127.0f);
-      d[m * nb32 + j] = dj;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float q = dj > 0.0f ? std::min(127.0f, std::max(-127.0f, std::nearbyintf(xm[k] / dj)))
-                                  : 0.0f;
-        xq[m * nb32 * 32 + k] = static_cast<int8_t>(q);
-        xs[m * Gn + k / G] += q * dj;
-      }
-    }
-  }
+  for (int64_t m = 0; m < M; ++m)
+    round_row(x + m * K, K, nb32, G, xq.data() + m * nb32 * 32, d.data() + m * nb32,
+              xs.data() + m * Gn);
   row_passes(pool, M, N, K, [&](auto r, int64_t m0, int64_t n0, int64_t n1) {
     for (int64_t m = m0; m < m0 + decltype(r)::value; ++m)
       rows8_i8<S>(xq.data() + m * nb32 * 32, d.data() + m * nb32, xs.data() + m * Gn, codes,
@@ -443,9 +422,18 @@ void product_i8(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, co
   const int64_t blocks = (W + 7) / 8;
   std::vector<int8_t> xlo(M * blocks * 32), xhi(M * blocks * 32);
   std::vector<float> d(M * 2 * blocks), xs(M * Gn, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    round_row(x + m * K, K, blocks, G, xlo.data() + m * blocks * 32,
-              xhi.data() + m * blocks * 32, d.data() + m * 2 * blocks, xs.data() + m * Gn);
+  std::vector<int8_t> q(blocks * 64);
+  for (int64_t m = 0; m < M; ++m) {
+    round_row(x + m * K, K, 2 * blocks, G, q.data(), d.data() + m * 2 * blocks,
+              xs.data() + m * Gn);
+    // Into the nibbles' order: column 64 b + 8 w + f goes to byte 4 w + f / 2 of load b, of
+    // xlo for even f, xhi for odd.
+    int8_t *lo = xlo.data() + m * blocks * 32, *hi = xhi.data() + m * blocks * 32;
+    for (int64_t k = 0; k < blocks * 64; ++k) {
+      const int64_t b = k / 64, w = (k % 64) / 8, f = k % 8;
+      (f % 2 ? hi : lo)[32 * b + 4 * w + f / 2] = q[k];
+    }
+  }
   row_passes(pool, M, N, K, [&](auto r, int64_t m0, int64_t n0, int64_t n1) {
     std::vector<float> scratch(Gn + 4 * 2 * blocks);
     for (int64_t m = m0; m < m0 + decltype(r)::value; ++m) {

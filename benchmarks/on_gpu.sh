@@ -18,6 +18,7 @@
 #                                       # 8 and 32 rows of 4+1020, 128 rows of 4+252
 #   STEPS=N bash benchmarks/on_gpu.sh train   # the sink-token twins at the gpu-6m recipe
 #   STEPS=N bash benchmarks/on_gpu.sh sinks   # the three sink variants at the gpu-sinks recipe
+#   (train and sinks: SET="scan_layers=true remat=true" adds recipe overrides)
 set -u
 STAGE=${1:?stage: suite, kernels, decode, decode2, serve, bench, train or sinks}
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
@@ -28,6 +29,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false JAXLLM_BENCHMARKS_MD=$OUT/BENCHMARKS_gpu.md
 PY=${PY:-python3}
 T0=$(date +%s)
+SETS=$(for o in ${SET:-}; do printf -- '--set %s ' "$o"; done)
 left() { echo $(( ${BUDGET:-530} - ($(date +%s) - T0) )); }  # seconds left in this stage
 step() { echo "== $* ($(( $(date +%s) - T0 )) s)"; }
 # Workers for the suite: one per two cores (each compiles on its own), at most 14.
@@ -90,7 +92,7 @@ train)
   # held-out text and the corpus manifest (evaluated afterwards on any machine).
   step "sink-token twins, gpu-6m, ${STEPS:?} steps"
   timeout $(( $(left) - 40 )) $PY -m train.experiments.sink_token --preset gpu-6m \
-    --set steps=$STEPS --set sink_eval_every=${PROBE_EVERY:-500} --out /tmp/sinks --parallel \
+    --set steps=$STEPS --set sink_eval_every=${PROBE_EVERY:-500} $SETS --out /tmp/sinks --parallel \
     --train-only 2>&1 | tee "$OUT/train.log"
   for v in none zero learnable; do
     [ -d /tmp/sinks/$v/model ] && $PY -c "import sys, jax, jax.numpy as jnp, jaxllm
@@ -109,7 +111,7 @@ sinks)
   # (MFU against the measured bf16 matmul rate), config, held-out text and corpus manifest.
   step "sink variants, gpu-sinks, ${STEPS:-3815} steps"
   timeout $(( $(left) - 60 )) $PY -m train.experiments.sink_token --preset gpu-sinks \
-    --set steps=${STEPS:-3815} --out /tmp/gpu_sinks --parallel --train-only \
+    --set steps=${STEPS:-3815} $SETS --out /tmp/gpu_sinks --parallel --train-only \
     > "$OUT/train_sinks.log" 2>&1
   tail -20 "$OUT/train_sinks.log"
   for v in none zero learnable; do

@@ -8,13 +8,14 @@ attention scores were still materialised. Compiled for this machine's
 backend: on a CPU the figure includes XLA:CPU's float32 copies of bfloat16 operands.
 
     python benchmarks/train_memory.py [--recipe pythia-160m] [--shapes 16x2048,8x2048]
-        [--loss-chunks 0,2048] [--remat false,true]
+        [--grad-accum 1,4] [--loss-chunks 0,2048] [--remat false,true] [--scan-layers false,true]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 import jax
 
@@ -28,7 +29,7 @@ from train.loop import shardings_of_state, step_bytes  # noqa: E402
 from train.step import compile_step, init_state  # noqa: E402
 
 
-def train_step_bytes(cfg) -> int:
+def train_step_bytes(cfg) -> tuple[int, float]:
     mesh = shd.make_mesh(0, 1)
     abstract = jax.eval_shape(lambda k: init_state(cfg, k), jax.random.key(0))
     shardings = shardings_of_state(mesh, abstract, shd.param_shardings(mesh, abstract["params"]))
@@ -37,7 +38,9 @@ def train_step_bytes(cfg) -> int:
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jax.numpy.int32,
                                  sharding=shd.batch_sharding(mesh))
     step = compile_step(cfg, shardings, shd.batch_sharding(mesh))
-    return step_bytes(step.lower(state, batch, cfg).compile())
+    t0 = time.process_time()
+    compiled = step.lower(state, batch, cfg).compile()
+    return step_bytes(compiled), time.process_time() - t0
 
 
 def main() -> None:
@@ -48,21 +51,26 @@ def main() -> None:
                     help="loss_chunk values (0: the whole [tokens, vocabulary] logits at once)")
     ap.add_argument("--remat", default="false,true", help="remat values (true: recompute each "
                     "block's activations in the backward pass)")
+    ap.add_argument("--grad-accum", default="1,4", help="grad_accum values")
+    ap.add_argument("--scan-layers", default="false", help="scan_layers values (true: the "
+                    "blocks stacked and run under one scan)")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
-    rows = ["| batch x seq_len | grad_accum | loss_chunk | remat | step memory (GiB) |",
-            "|---|---:|---:|---|---:|"]
+    rows = ["| batch x seq_len | grad_accum | loss_chunk | remat | scan_layers | step memory "
+            "(GiB) | trace + compile (CPU s) |", "|---|---:|---:|---|---|---:|---:|"]
     for shape in a.shapes.split(","):
         B, T = (int(x) for x in shape.split("x"))
-        for accum in (1, 4):
+        for accum in (int(g) for g in a.grad_accum.split(",")):
             for chunk in (int(c) for c in a.loss_chunks.split(",")):
                 for remat in a.remat.split(","):
-                    cfg = recipe(a.recipe, [f"batch_size={B}", f"seq_len={T}",
-                                            f"grad_accum={accum}", f"loss_chunk={chunk}",
-                                            f"remat={remat}"])
-                    gib = train_step_bytes(cfg) / 2 ** 30
-                    rows.append(f"| {B} x {T} | {accum} | {chunk} | {remat} | {gib:.1f} |")
-                    print(rows[-1], flush=True)
+                    for scan in a.scan_layers.split(","):
+                        cfg = recipe(a.recipe, [f"batch_size={B}", f"seq_len={T}",
+                                                f"grad_accum={accum}", f"loss_chunk={chunk}",
+                                                f"remat={remat}", f"scan_layers={scan}"])
+                        nbytes, cpu_s = train_step_bytes(cfg)
+                        rows.append(f"| {B} x {T} | {accum} | {chunk} | {remat} | {scan} | "
+                                    f"{nbytes / 2 ** 30:.1f} | {cpu_s:.0f} |")
+                        print(rows[-1], flush=True)
     record(f"Training step memory, {a.recipe} (XLA's compile-time count, "
            f"{jax.devices()[0].platform})", "\n".join(rows), dry=a.no_record)
 

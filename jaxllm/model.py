@@ -232,7 +232,13 @@ class Transformer(nn.Module):
         shared = not (self.is_initializing() or any(
             self.is_mutable_collection(c) for c in ("intermediates", "attention", "inputs")))
         block_jit = _block_jit(cfg.remat) if shared else None
-        for layer in range(cfg.num_layers):
+        # Stacked layers (stack_layers; apply passes them here only for a plain forward that
+        # collects nothing): one block's program run under a scan, so a training step's trace,
+        # compile and code are one layer's, whatever the depth.
+        stacked = shared and "layers" in self.variables["params"]
+        if stacked:
+            x = _scan_blocks(cfg, self.variables["params"]["layers"], x, plan)
+        for layer in range(0 if stacked else cfg.num_layers):
             layer_cache = None if cache is None else (cache.k[layer], cache.v[layer]) + \
                 cache.state[layer:layer + 1]  # + the kind's own state, if it keeps one
             if shared:
@@ -331,6 +337,47 @@ def _recomputed(block):
     return run
 
 
+def _scan_blocks(cfg: ModelConfig, layers, x: Float[Array, "b t d"], plan):
+    """x through every layer of ``layers`` (each leaf [L, ...]) under one ``lax.scan``. With
+    ``cfg.remat`` the backward pass recomputes each block from its input, the only value the
+    forward keeps per layer (the recomputation sits in the backward loop's body, where XLA
+    cannot merge it with the forward's). Without, it keeps each block's matmul outputs and
+    recomputes the rest (MaxText's "minimal" policy): a scan that kept every value the backward
+    reads would stack all of them per layer, more than the unrolled program keeps, where XLA
+    fuses and frees them (docs/GUIDE.md, training memory)."""
+    def body(x, layer_params):
+        return Block(cfg).apply({"params": layer_params}, x, None, plan)[0], None
+    policy = None if cfg.remat else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    body = jax.checkpoint(body, prevent_cse=False, policy=policy)
+    return jax.lax.scan(body, x, layers)[0]
+
+
+def stack_layers(params: dict) -> dict:
+    """``params`` with its blocks ``layer_0 .. layer_{L-1}`` as one subtree ``layers`` whose
+    leaves carry a leading [L] axis (MaxText's ``scan_layers``): a plain forward (training's)
+    then runs one block's program under a scan. Every other use of the model (a cache, a
+    collection) takes the blocks one by one again (:func:`unstack_layers`), which copies
+    them: keep inference's parameters unstacked."""
+    names = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    if not names:
+        raise ValueError("stack_layers: no layer_0 .. layer_N blocks in these parameters "
+                         "(stacked already?)")
+    rest = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    return {**rest, "layers": jax.tree.map(lambda *a: jnp.stack(a), *(params[k] for k in names))}
+
+
+def unstack_layers(params: dict) -> dict:
+    """The inverse of :func:`stack_layers` (parameters without ``layers`` come back as they
+    are): the per-layer form that converters, quantizers and saved models use."""
+    if "layers" not in params:
+        return params
+    stacked = params["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**rest, **{f"layer_{i}": jax.tree.map(lambda a, i=i: a[i], stacked)
+                       for i in range(n)}}
+
+
 def head_logits(params, cfg: ModelConfig, x: Float[Array, "... d"]) -> Float[Array, "... v"]:
     """The output head on the head's input x (``apply(..., hidden=True)``): float32 logits,
     computed as the model computes them (a tied head in float32, an untied one in the compute
@@ -380,9 +427,13 @@ def apply(params, cfg: ModelConfig, tokens: Int[Array, "b t"],
     ``last_only``: the logits of each row's last valid token only, [B, 1, V] (a prefill that
     samples the next token needs no more). ``hidden`` (plain forward, nothing collected): the
     head's input [B, T, D] instead of the logits (a loss over a large vocabulary makes the
-    logits a piece at a time with :func:`head_logits`).
+    logits a piece at a time with :func:`head_logits`). ``params`` may hold the blocks stacked
+    (:func:`stack_layers`): a plain forward that collects nothing scans them, anything else
+    takes them one by one again.
     """
     B, T = tokens.shape
+    if "layers" in params and (cache is not None or mutable):  # the scan is a plain forward's
+        params = unstack_layers(params)
     if cache is None:
         rows = jnp.full((B, 1), T - 1, jnp.int32) if last_only else None
         if not mutable:

@@ -15,7 +15,7 @@ from conftest import LLAMA, NEOX
 import jaxllm
 from jaxllm.attention import flash
 from jaxllm.config import Kernels
-from jaxllm.model import apply
+from jaxllm.model import apply, stack_layers
 
 MPT = dataclasses.replace(NEOX, family="mpt", pos_emb="alibi", norm_bias=False, attn_bias=False,
                           mlp_bias=False, rotary_pct=0.0)
@@ -224,8 +224,8 @@ def test_prefill_and_training_step_lower_for_gpu_and_tpu(platform, call, preset,
     """On this CPU, jax lowers for other platforms without a device, through Pallas' Triton
     and Mosaic TPU lowerings (which refuse what the device would: block shapes, dtypes).
     A prefill of 512 tokens through a bfloat16 StreamingLLM 4+4092 cache and a training
-    step's gradient, at Llama-2-7B (2 layers) and SmolLM2-135M shapes, lower with the attention
-    kernel in them."""
+    step's gradient (unrolled, and scanned over stacked layers with remat), at Llama-2-7B (2
+    layers) and SmolLM2-135M shapes, lower with the attention kernel in them."""
     cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2) \
         if preset == "llama2-7b" else SMOLLM2
     cfg = dataclasses.replace(cfg, kernels=Kernels(attention="pallas"))
@@ -237,7 +237,11 @@ def test_prefill_and_training_step_lower_for_gpu_and_tpu(platform, call, preset,
     prefill = jax.jit(functools.partial(apply, cfg=cfg, last_only=True)).trace(
         params, tokens=toks, cache=cache, lens=jax.ShapeDtypeStruct((1,), jnp.int32))
     grad = jax.jit(jax.grad(lambda p, x: apply(p, cfg, x)[0].mean())).trace(params, toks)
-    for traced in (prefill, grad):
+    # the blocks stacked and scanned, each recomputed in the backward pass (train's scan_layers)
+    remat = dataclasses.replace(cfg, remat=True)
+    scanned = jax.jit(jax.grad(lambda p, x: apply(p, remat, x)[0].mean())).trace(
+        jax.eval_shape(stack_layers, params), toks)
+    for traced in (prefill, grad, scanned):
         assert call in traced.lower(lowering_platforms=(platform,)).as_text()
 
 

@@ -220,6 +220,53 @@ def test_remat_gives_the_same_loss_and_gradients_in_less_memory():
     assert remat_b < plain_b / 2, (plain_b / 2 ** 20, remat_b / 2 ** 20)
 
 
+def test_scanned_layers_train_as_the_unrolled_ones():
+    """scan_layers=true (the blocks stacked, the forward one scan): the loss and gradients of
+    the per-layer model, with and without remat, and weight decay on the same tensors."""
+    import dataclasses as dc
+    from jaxllm.model import unstack_layers
+    from train.step import loss_fn
+    cfg = recipe("tiny", TINY + ["model.num_layers=3", "dtype=float32"])
+    scan = dc.replace(cfg, scan_layers=True)
+    params = init_state(cfg, jax.random.key(0))["params"]
+    stacked = init_state(scan, jax.random.key(0))["params"]
+    assert set(stacked) == set(params) - {"layer_0", "layer_1", "layer_2"} | {"layers"}
+    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked), params)
+    mask = decay_mask(stacked)
+    assert mask["layers"] == decay_mask(params)["layer_0"] and mask["layers"]["attn"]["q"] == {
+        "kernel": True, "bias": False}
+    batch = jax.random.randint(jax.random.key(1), (4, 33), 0, 200)
+    grad = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
+    l0, g0 = grad(params, cfg, batch)  # (remat's own test: the same with remat)
+    for remat in (False, True):
+        l1, g1 = grad(stacked, dc.replace(scan, remat=remat), batch)
+        np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+                     unstack_layers(g1), g0)
+
+
+def test_scanned_layers_compile_one_block_whatever_the_depth():
+    """The remat gradient with scan_layers compiles to one block's code (4 layers make about
+    the program of 2, where the unrolled program grows with every layer), and XLA counts no
+    more temporaries for it than for the unrolled one (the Pythia-160M step: 10.8 -> 6.3 GiB,
+    benchmarks/train_memory.py)."""
+    import dataclasses as dc
+    from train.step import loss_fn
+    cfg = recipe("tiny", TINY + ["dtype=float32", "remat=true", "seq_len=128",
+                                 "model.max_seq_len=128"])
+
+    def compiled(scan, layers):
+        c = dc.replace(cfg, scan_layers=scan, model=dc.replace(cfg.model, num_layers=layers))
+        p = jax.eval_shape(lambda k: init_state(c, k)["params"], jax.random.key(0))
+        tokens = jax.ShapeDtypeStruct((4, c.seq_len + 1), jnp.int32)
+        return jax.jit(jax.grad(loss_fn), static_argnums=1).lower(p, c, tokens).compile()
+    (s2, s4), (u2, u4) = ([compiled(scan, n) for n in (2, 4)] for scan in (True, False))
+    size = [len(c.as_text().splitlines()) for c in (s2, s4, u2, u4)]
+    assert size[1] < 1.1 * size[0] and size[3] > 1.6 * size[2], size
+    temp = [c.memory_analysis().temp_size_in_bytes for c in (s4, u4)]
+    assert temp[0] <= 1.05 * temp[1], temp
+
+
 def test_learnable_sink_examples_never_target_the_sink():
     cfg = recipe("tiny", ["sink=learnable"])
     batch = jnp.arange(2 * 9).reshape(2, 9) % 200
@@ -265,27 +312,32 @@ SHARDED = textwrap.dedent("""
         return losses, jax.device_get(state["params"]), state
 
     ref_losses, ref_params, _ = run(shd.make_mesh(devices=jax.devices()[:1]), cfg)
-    for data, fsdp, accum in [(1, 8, 1), (2, 4, 2)]:
-        c = cfg.override([f"grad_accum={accum}"])
+    # the second with the blocks stacked (scan_layers): the layer axis whole, the rest sharded
+    from jaxllm.model import unstack_layers
+    for data, fsdp, accum, scan in [(1, 8, 1, False), (2, 4, 2, True)]:
+        c = cfg.override([f"grad_accum={accum}", f"scan_layers={str(scan).lower()}"])
         losses, params, state = run(shd.make_mesh(data, fsdp), c)
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-4),
-                     params, ref_params)
-        k = state["params"]["layer_0"]["mlp"]["up"]["kernel"]
-        mu = state["opt_state"][1][0].mu["layer_0"]["mlp"]["up"]["kernel"]
-        assert k.sharding.spec == mu.sharding.spec == P("fsdp", None), (k.sharding, mu.sharding)
+                     unstack_layers(params), ref_params)
+        name = "layers" if scan else "layer_0"
+        k = state["params"][name]["mlp"]["up"]["kernel"]
+        mu = state["opt_state"][1][0].mu[name]["mlp"]["up"]["kernel"]
+        spec = P(None, "fsdp", None) if scan else P("fsdp", None)
+        assert k.sharding.spec == mu.sharding.spec == spec, (k.sharding, mu.sharding)
         # each device holds 1/fsdp of the parameter and of its Adam moment
         assert k.addressable_shards[0].data.shape == mu.addressable_shards[0].data.shape == (
-            64 // fsdp, 256)
-        print("ok", data, fsdp, accum, losses)
+            (1,) if scan else ()) + (64 // fsdp, 256)
+        print("ok", data, fsdp, accum, scan, losses)
 """)
 
 
 def test_sharded_step_equals_one_device():
     """fsdp 8, and data 2 x fsdp 4 with 2 accumulated micro-batches, each against one device:
     8 simulated CPU devices in one fresh process (the device count is fixed at JAX start-up;
-    one process for the meshes shares the start-up and the reference run). A data-only mesh is
-    left out: the 2 x 4 mesh runs the same data-axis code."""
+    one process for the meshes shares the start-up and the reference run); the second with the
+    blocks stacked (scan_layers). A data-only mesh is left out: the 2 x 4 mesh runs the same
+    data-axis code."""
     out = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True,
                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -500,6 +552,11 @@ def test_init_from_copies_weights_and_keeps_a_new_sink_row(tmp_path):
     np.testing.assert_array_equal(emb[-1], np.asarray(fresh["embed"]["embedding"])[-1])
     np.testing.assert_array_equal(np.asarray(got["layer_0"]["mlp"]["up"]["kernel"]),
                                   np.asarray(base["layer_0"]["mlp"]["up"]["kernel"]))
+    # a run with its blocks stacked (scan_layers) gets them stacked, taken from the same layers
+    from jaxllm.model import stack_layers
+    jax.tree.map(np.testing.assert_array_equal, weights_from(str(tmp_path / "m"),
+                                                             stack_layers(fresh)),
+                 stack_layers(got))
     wide = jaxllm.init_params(dataclasses.replace(cfg, intermediate_size=96), jax.random.key(0))
     with pytest.raises(ValueError, match=r"tensor layer_0/mlp/\w+/kernel is \(\d+, \d+\) where"):
         weights_from(str(tmp_path / "m"), wide)
@@ -562,7 +619,10 @@ def test_a_step_that_cannot_fit_is_refused_in_one_line():
         check_fits(97 << 30, 80 << 30, cfg)
     msg = str(e.value)
     assert "\n" not in msg and "97.0 GiB" in msg and "80.0 GiB" in msg and "grad_accum" in msg
-    assert "remat=true" in msg
+    assert "remat=true and scan_layers=true" in msg
+    with pytest.raises(ValueError, match="set scan_layers=true") as e:
+        check_fits(97 << 30, 80 << 30, cfg.override(["remat=true"]))
+    assert "remat=true" not in str(e.value)
 
 
 def test_peak_rate_for_mfu_and_prefetch_errors():

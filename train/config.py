@@ -41,6 +41,11 @@ class TrainConfig:
     # Recompute each block's activations in the backward pass (ModelConfig.remat): a step
     # holds one block's activations instead of every layer's, for about a third more compute.
     remat: bool = False
+    # The blocks' parameters stacked along a leading layer axis and the forward a scan over
+    # them (jaxllm.model.stack_layers; MaxText's scan_layers): one block traced and compiled
+    # whatever the depth. Without remat the scan keeps each block's matmul outputs and
+    # recomputes the rest. Checkpoints keep the stacked form; the exported model is per layer.
+    scan_layers: bool = False
     seed: int = 0
     data: str = "builtin"  # see train.data.SOURCES
     tokenizer: str = "byte"

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxllm import outputs
 from jaxllm.io import load_model, save_model
+from jaxllm.model import stack_layers, unstack_layers
 from jaxllm.tokenizer import load_tokenizer
 
 from . import data as data_lib
@@ -373,7 +374,7 @@ def _train(cfg: TrainConfig, out: str, resume: bool, progress: bool, stop_after,
                                                                if k != "step"}}
     if end == cfg.steps and is_main:
         export_cfg = dataclasses.replace(cfg.model, dtype="float32")
-        params = jax.device_get(state["params"])
+        params = unstack_layers(jax.device_get(state["params"]))  # a model is per layer
         if cfg.export_dtype == "bfloat16":
             params = jax.tree.map(lambda a: np.asarray(a).astype(jax.numpy.bfloat16), params)
         save_model(os.path.join(out, "model"), export_cfg, params, tokenizer=cfg.tokenizer,
@@ -442,7 +443,9 @@ def check_fits(need: int, limit: Optional[int], cfg: TrainConfig) -> None:
             f"the training step needs {need / 2**30:.1f} GiB per device (XLA's compile-time "
             f"count: state, batch and temporaries) but the device holds {limit / 2**30:.1f} GiB: "
             f"lower batch_size ({cfg.batch_size}) or raise grad_accum ({cfg.grad_accum}), "
-            + ("" if cfg.remat else "set remat=true (blocks recomputed in the backward pass), ")
+            + ("" if cfg.remat and cfg.scan_layers else
+               f"set {'' if cfg.remat else 'remat=true and '}scan_layers=true (each block "
+               f"recomputed in the backward pass, under one scan), ")
             + "or shard over more devices (mesh_fsdp)")
 
 
@@ -454,7 +457,8 @@ def weights_from(path: str, fresh: dict) -> dict:
     _, base, _ = load_model(path)
     have = tree.flatten(jax.device_get(base))
     out = {}
-    for name, x in tree.flatten(jax.device_get(fresh)).items():
+    stacked = "layers" in fresh  # scan_layers: matched per layer, stacked again after
+    for name, x in tree.flatten(unstack_layers(jax.device_get(fresh))).items():
         b = have.get(name)
         if b is not None and b.shape == x.shape:
             out[name] = np.asarray(b, x.dtype)
@@ -465,7 +469,7 @@ def weights_from(path: str, fresh: dict) -> dict:
             raise ValueError(f"init_from {path}: tensor {name} is "
                              f"{'missing' if b is None else tuple(b.shape)} where this run needs "
                              f"{tuple(x.shape)}")
-    return tree.unflatten(out)
+    return stack_layers(tree.unflatten(out)) if stacked else tree.unflatten(out)
 
 
 def shardings_of_state(mesh, abstract, p_shard):

@@ -28,6 +28,8 @@ _KERNEL_AXES = {"q": ("embed", "heads"), "k": ("embed", "heads"), "v": ("embed",
 def logical_axes(path: str, ndim: int) -> tuple:
     """Logical names of a parameter's dims, e.g. ``layer_0/mlp/up/kernel`` -> (embed, mlp)."""
     parts = path.split("/")
+    if parts[0] == "layers":  # stacked blocks (scan_layers): the layer axis stays whole
+        return (None,) + logical_axes("/".join(parts[1:]), ndim - 1)
     if parts[-1] == "embedding":
         return ("vocab", "embed")
     if parts[-1] == "kernel" and ndim == 2:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
-from jaxllm.model import apply, head_logits, init_params
+from jaxllm.model import apply, head_logits, init_params, stack_layers
 from jaxllm.positions import with_sink
 
 from .config import TrainConfig
@@ -75,8 +75,10 @@ def chunked_cross_entropy(head, x: Float[Array, "n d"], targets: Int[Array, " n"
 
 
 def decay_mask(params):
-    """Weight decay on matrices (kernels, embeddings), never on biases or norm scales."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Weight decay on matrices (kernels, embeddings), never on biases or norm scales; a
+    stacked block's leaves (stack_layers) are judged without their layer axis."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p.ndim - (getattr(path[0], "key", None) == "layers") >= 2, params)
 
 
 def schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -95,6 +97,8 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 def init_state(cfg: TrainConfig, key) -> dict:
     """``{"step", "params" (float32), "opt_state"}``: the whole training state, one pytree."""
     params = init_params(cfg.model, key)
+    if cfg.scan_layers:
+        params = stack_layers(params)
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "opt_state": optimizer(cfg).init(params)}
 

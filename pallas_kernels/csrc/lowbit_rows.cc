@@ -20,9 +20,9 @@
 //
 // with xs_g the group sums of x, formed once per call. A 256-bit load holds 8 words = 64 codes;
 // field j of the 8 words are the columns 8w + j (w = 0..7), so x is laid out once per call in
-// that order (xt) and every field is one shift, one and, one convert and one FMA per row. Each
-// lane's sum is scaled by its word's group scale at the end of the 64 columns (lanes of one
-// load may lie in two groups when G = 32: GGUF's Q4_0 / Q4_1).
+// that order (xt) and every field is one and, one convert and one FMA per row, every second one a
+// shift (rows_at). Each lane's sum is scaled by its word's group scale at the end of the 64
+// columns (lanes of one load may lie in two groups when G = 32: GGUF's Q4_0 / Q4_1).
 //
 // 8 bits: 8 codes widened a load (vpmovzxbd), one FMA a row, each group's sums scaled once.
 //
@@ -137,7 +137,7 @@ void rows_at(const float* xt, const float* xs, const uint32_t* codes, const floa
              const float* of, float* y, int64_t K, int64_t W, int64_t Gn, int64_t G, int64_t N,
              int64_t n) {
   const int64_t blocks = (W + 7) / 8;
-  const __m256i mask = _mm256_set1_epi32(15);
+  const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0xf0);
   __m256 total[R][NB];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NB; ++i) total[r][i] = _mm256_setzero_ps();
@@ -150,12 +150,15 @@ void rows_at(const float* xt, const float* xs, const uint32_t* codes, const floa
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < NB; ++i) acc[r][i] = _mm256_setzero_ps();
     const float* xb = xt + b * 64;
-    for (int j = 0; j < 8; ++j) {  // field j of every word, in the low bits after j shifts
+    // Field j of every word, masked where it lies in its byte after j / 2 shifts: an even field
+    // is c, an odd one c * 16, whose x carries the 1/16 (product()), so a pair of fields costs
+    // one shift instead of two and the products are the same to the bit.
+    for (int j = 0; j < 8; ++j) {
       __m256 xj[R];
       for (int r = 0; r < R; ++r) xj[r] = _mm256_loadu_ps(xb + r * blocks * 64 + 8 * j);
       for (int i = 0; i < NB; ++i) {
-        const __m256 cf = _mm256_cvtepi32_ps(_mm256_and_si256(v[i], mask));
-        v[i] = _mm256_srli_epi32(v[i], 4);
+        const __m256 cf = _mm256_cvtepi32_ps(_mm256_and_si256(v[i], j % 2 ? high : low));
+        if (j % 2) v[i] = _mm256_srli_epi32(v[i], 8);
         for (int r = 0; r < R; ++r) acc[r][i] = _mm256_fmadd_ps(cf, xj[r], acc[r][i]);
       }
     }
@@ -257,14 +260,16 @@ void product(ffi::ThreadPool& pool, const float* x, const uint32_t* codes, const
              const S* offset, float* y, int64_t M, int64_t K, int64_t W, int64_t Gn, int64_t G,
              int64_t N) {
   const int64_t blocks = (W + 7) / 8;
-  // x in field order, zero past K: xt[m][b][j][w] = x[m][64 b + 8 w + j]; and the group sums.
+  // x in field order, zero past K: xt[m][b][j][w] = x[m][64 b + 8 w + j], divided by 16 in
+  // the odd fields (rows_at reads those codes as c * 16; a power of two: exact); and the group
+  // sums.
   std::vector<float> xt(M * blocks * 64, 0.0f), xs(M * Gn, 0.0f);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     float* t = xt.data() + m * blocks * 64;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t b = k / 64, w = (k % 64) / 8, j = k % 8;
-      t[b * 64 + j * 8 + w] = xm[k];
+      t[b * 64 + j * 8 + w] = j % 2 ? xm[k] * 0.0625f : xm[k];
       xs[m * Gn + k / G] += xm[k];
     }
   }

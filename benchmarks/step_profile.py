@@ -1,8 +1,8 @@
-"""Where a decode step's time goes: one ``jaxllm.generate`` call per (format, cache, batch),
-traced by XLA:CPU's profiler, each executed HLO op classed as a jaxllm CPU kernel call (the int8
-product, the decode attention), another large op (reading 256 KiB or more: XLA's products, its
-passes over the cache) or a small op (norms, rotations, dequantizing scales, residual adds,
-sampling: ops that read next to nothing).
+"""Where a decode step's time goes: one call of ``jaxllm.generate``'s compiled loop per (format,
+cache, batch), traced by XLA:CPU's profiler, each executed HLO op classed as a jaxllm CPU kernel
+call (the int8 product, the decode attention), another large op (reading 256 KiB or more: XLA's
+products, its passes over the cache) or a small op (norms, rotations, dequantizing scales, residual
+adds, sampling: ops that read next to nothing).
 
 Why: the roofline (benchmarks/roofline.py) prices a step's bytes at the machine's read rate. A
 step whose reads ran at that rate would still take longer by the small ops, which XLA:CPU runs
@@ -189,7 +189,8 @@ def breakdown(spans, classes: dict[str, tuple[str, int]], forwards: int
 
 def profile_generate(params, cfg, cache, steps: int):
     """(the classes' breakdown, traced ms per forward, untraced ms per forward, cache) for one
-    ``jaxllm.generate`` call writing ``steps`` tokens per row (``steps + 1`` forwards)."""
+    call of generate's compiled loop writing ``steps`` tokens per row (``steps + 1`` forwards:
+    a one-token prompt, then a token at a time)."""
     import jax
     import jax.numpy as jnp
 
@@ -204,13 +205,17 @@ def profile_generate(params, cfg, cache, steps: int):
     prompt = jnp.ones((cache.batch, 1), jnp.int32)
     lens = jnp.ones((cache.batch,), jnp.int32)
     key = jax.random.key(0)
+    # The traced call and the text must be one program: the loop is called with the very
+    # arguments it is lowered with (jaxllm.generate would pad the prompt to its bucket, a
+    # program of other shapes whose ops are numbered otherwise).
     text = gen._generate_jit.lower(*gen.loop_args(params, cfg, sc, prompt, lens, cache, key)
                                    ).compile().as_text()
     classes = op_classes(text)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             t0 = time.perf_counter()
-            cache = jaxllm.generate(params, cfg, prompt, cache, sc).cache
+            cache = gen._generate_jit(*gen.loop_args(params, cfg, sc, prompt, lens, cache,
+                                                     key))[2]
             jax.block_until_ready(cache)
             traced = (time.perf_counter() - t0) / (steps + 1) * 1e3
         path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
@@ -273,10 +278,11 @@ def main():
                             f" | {share:.0%} | {rate:.1f} | {now:.1f} |")
                 print(rows[-1], flush=True)
     table = "\n".join(rows)
-    notes = (f"{a.preset} shapes, random weights, a full StreamingLLM ring; one "
-             f"jaxllm.generate call writing {a.steps} tokens per row, its {a.steps + 1} "
-             "forwards traced (XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true, "
-             "jax.profiler.trace); each op's span summed and divided by the forwards. Classes: "
+    notes = (f"{a.preset} shapes, random weights, a full StreamingLLM ring; one call of "
+             f"jaxllm.generate's compiled loop (a one-token prompt, then {a.steps} tokens per "
+             f"row), its {a.steps + 1} forwards traced "
+             "(XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true, jax.profiler.trace); each "
+             "op's span summed and divided by the forwards. Classes: "
              "the jaxllm CPU kernels (" + cpu.status().replace("\n", "; ") + "); other "
              f"large ops: every other op reading {SMALL_BYTES >> 10} KiB or more (XLA's "
              "products, its passes over the cache); small ops: the rest. XLA may run "

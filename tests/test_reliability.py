@@ -107,6 +107,20 @@ def test_non_finite_weights_and_scores_are_reported(tmp_path, capsys):
     assert "tensor ln_final/scale holds NaN or inf" in err and "scores are NaN" in err
 
 
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_host_finiteness_check_finds_nan_and_inf_in_any_slice(dtype, monkeypatch):
+    from jaxllm.cli import common
+    monkeypatch.setattr(common, "_FINITE_SLICE", 7)  # many slices, the last one short
+    x = np.linspace(-3e4, 3e4, 60, dtype=np.float32).astype(jnp.dtype(dtype)).reshape(6, 10)
+    assert common._finite(x) and np.isfinite(x.astype(np.float32)).all()
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 31, 59):
+            y = x.copy()
+            y.flat[at] = bad
+            assert not common._finite(y), (bad, at)
+            assert not np.isfinite(y.astype(np.float32)).all()
+
 # ---- configs ----------------------------------------------------------------------------------
 def test_set_rederives_dependent_fields():
     from train import recipe

@@ -172,14 +172,15 @@ def _generate_rounds(cfg, params, tok, questions, max_new):
 QUESTIONS = ["w1 w2 w3", "w9", "w10 w11 w12 w13", "w4 w4"]
 
 
+@pytest.mark.parametrize("chunk", [None, "3"])  # the default, and every turn in several calls
 def test_chat_command_reads_stdin_and_answers_as_generate_does(tiny, tiny_dir, capsys,
-                                                                monkeypatch):
+                                                                monkeypatch, chunk):
     import io
     from jaxllm.cli import main
     cfg, params, tok = tiny
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(QUESTIONS) + "\n"))
     assert main(["--no-compile-cache", "chat", "--model", tiny_dir, "--max-new-tokens", "6",
-                 "--sinks", "4", "--cache", "64"]) == 0
+                 "--sinks", "4", "--cache", "64"] + (["--chunk", chunk] if chunk else [])) == 0
     printed = capsys.readouterr()
     lines = printed.out.splitlines()
     assert [lines[i] for i in range(0, len(lines), 2)] == [f">>> {q}" for q in QUESTIONS]

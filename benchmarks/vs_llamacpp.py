@@ -10,6 +10,10 @@ build it in an environment of its own and pass that environment's Python,
     python -m venv ~/llama-env && ~/llama-env/bin/pip install llama-cpp-python==0.3.36
     python benchmarks/vs_llamacpp.py --llama-python ~/llama-env/bin/python
 
+On an Intel CPU that lists AMX under a hypervisor that does not grant it, the native build
+stops with SIGILL at its first tile load (``tileloadd``): build it without AMX,
+``CMAKE_ARGS="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"`` before ``pip``.
+
 Greedy decoding from the same prompt ids (the first --prompt tokens of the embedded corpus). A
 run reports load seconds, prefill tokens/s, decode tokens/s over --new tokens (the first
 token's time, which holds the prefill, left out), CPU-seconds per decoded token (user + system
@@ -18,7 +22,8 @@ done before the timed calls (a warm-up of the same shapes). Beside them, the wei
 the bytes of weights one decode step reads over this machine's measured read rate.
 
 ``--parts chat``: the peak RSS of a chat of a few questions, ``jaxllm chat`` as a user runs it
-(a first run with an empty cache directory, then a second) against llama.cpp's chat completion.
+(a first run with an empty cache directory, then a second) against llama.cpp's chat completion,
+and each turn's latency: from the question to the answer's first text.
 """
 from __future__ import annotations
 
@@ -134,68 +139,131 @@ def worker_llama(a) -> dict:
 
 
 QUESTIONS = ("What is the capital of France?", "Name three colors.",
-             "Write one sentence about the sea.")
+             "Write one sentence about the sea.", "What is two plus two?",
+             "Say hello in Spanish.")
+
+
+class _TurnClock:
+    """Times a chat's turns from outside it: when each question is handed over (its line read),
+    when the answer's first text appears and when the answer ends (the line after it)."""
+
+    def __init__(self, questions, out):
+        self.questions, self.out = list(questions), out
+        self.asked: list = []
+        self.first: list = []
+        self.ended: list = []
+
+    def __iter__(self):  # stdin for ``jaxllm chat``: a question a line
+        for q in self.questions:
+            self.close()
+            self.asked.append(time.perf_counter())
+            yield q + "\n"
+        self.close()
+
+    def isatty(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if len(self.ended) < len(self.asked):
+            self.ended.append(time.perf_counter())
+
+    def write(self, text: str) -> int:  # stdout of ``jaxllm chat``: the answers' pieces
+        if (text.strip() and not text.startswith(">>> ")
+                and len(self.first) < len(self.asked)):
+            self.first.append(time.perf_counter())
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def turns(self) -> dict:
+        return {"first_token_s": [f - a for a, f in zip(self.asked, self.first)],
+                "answer_s": [e - a for a, e in zip(self.asked, self.ended)]}
 
 
 def worker_jaxllm_chat(a) -> dict:
     """``jaxllm chat`` as a user runs it (its defaults: the file's blocks, StreamingLLM), the
-    QUESTIONS typed in, in this process: its peak RSS is the command's."""
-    import contextlib
-    import io
+    QUESTIONS typed in, in this process: its peak RSS is the command's; each turn timed from
+    its question to the answer's first text."""
     sys.path.insert(0, os.path.dirname(HERE))
     from jaxllm.cli import main
-    sys.stdin = io.StringIO("\n".join(QUESTIONS) + "\n")
-    with contextlib.redirect_stdout(sys.stderr):
+    clock = _TurnClock(QUESTIONS, sys.stderr)
+    sys.stdin, stdout = clock, sys.stdout
+    sys.stdout = clock
+    try:
         rc = main(["chat", "--model", a.gguf, "--max-new-tokens", str(a.new)])
+    finally:
+        sys.stdout = stdout
     if rc:
         raise SystemExit(f"jaxllm chat exited {rc}")
-    return {"peak_mib": _peak_mib()}
+    return {"peak_mib": _peak_mib(), **clock.turns()}
 
 
 def worker_llama_chat(a) -> dict:
-    """llama.cpp's chat completion over the same QUESTIONS, each answer kept in the history."""
+    """llama.cpp's chat completion over the same QUESTIONS, each answer kept in the history
+    (llama-cpp-python keeps the cache of the prompt's common prefix, so a turn feeds its own
+    tokens only), streamed: each turn timed from its question to the answer's first text."""
     from llama_cpp import Llama
     llm = Llama(model_path=a.gguf, n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
     messages: list = []
+    first, answer = [], []
     for q in QUESTIONS:
         messages.append({"role": "user", "content": q})
-        out = llm.create_chat_completion(messages=messages, max_tokens=a.new, temperature=0.0)
-        messages.append(out["choices"][0]["message"])
-    return {"peak_mib": _peak_mib()}
+        t0, parts = time.perf_counter(), []
+        for chunk in llm.create_chat_completion(messages=messages, max_tokens=a.new,
+                                                temperature=0.0, stream=True):
+            piece = chunk["choices"][0]["delta"].get("content") or ""
+            if piece.strip() and len(first) < len(answer) + 1:
+                first.append(time.perf_counter() - t0)
+            parts.append(piece)
+        answer.append(time.perf_counter() - t0)
+        messages.append({"role": "assistant", "content": "".join(parts)})
+    return {"peak_mib": _peak_mib(), "first_token_s": first, "answer_s": answer}
 
 
 def chat_memory(a) -> None:
-    """Peak RSS of a chat, each run a fresh process: llama.cpp's, and jaxllm chat's first run
-    (an empty cache directory: the file converted, the programs compiled) and second (both
-    read from that directory), runs alternated."""
+    """Peak RSS of a chat and its turns' latency, each run a fresh process: llama.cpp's, and
+    jaxllm chat's first run (an empty cache directory: the file converted, the programs
+    compiled) and second (both read from that directory), runs alternated."""
     import shutil
 
     from _record import machine, record
     import tempfile
     runs: dict = {"llama.cpp": [], "jaxllm chat, first run": [], "jaxllm chat, second run": []}
     for rep in range(a.repeats):
-        runs["llama.cpp"].append(spawn(a.llama_python, "llama-chat", a)["peak_mib"])
+        runs["llama.cpp"].append(spawn(a.llama_python, "llama-chat", a))
         home = tempfile.mkdtemp(prefix="jaxllm-cache-")
         try:
             env = dict(os.environ, JAXLLM_CACHE_DIR=home)
             for key in ("jaxllm chat, first run", "jaxllm chat, second run"):
-                runs[key].append(spawn(sys.executable, "jaxllm-chat", a, env=env)["peak_mib"])
+                runs[key].append(spawn(sys.executable, "jaxllm-chat", a, env=env))
         finally:
             shutil.rmtree(home, ignore_errors=True)
-        print(f"run {rep + 1}: " + ", ".join(f"{k} {v[-1]:.0f} MiB" for k, v in runs.items()),
-              file=sys.stderr)
-    base = statistics.median(runs["llama.cpp"])
-    lines = ["| program | peak RSS MiB (median) | runs | vs llama.cpp |", "|---|---:|---|---:|"]
-    for k, v in runs.items():
-        m = statistics.median(v)
-        lines.append(f"| {k} | {m:.0f} | {', '.join(f'{x:.0f}' for x in v)} | "
-                     f"{m / base:.2f}x |")
+        print(f"run {rep + 1}: " + ", ".join(f"{k} {v[-1]['peak_mib']:.0f} MiB"
+                                             for k, v in runs.items()), file=sys.stderr)
+    base = statistics.median(r["peak_mib"] for r in runs["llama.cpp"])
+    later = lambda rs, key: [x for r in rs for x in r[key][1:]]  # noqa: E731  turns 2 on
+    b_first = statistics.median(later(runs["llama.cpp"], "first_token_s"))
+    lines = ["| program | peak RSS MiB (median) | runs | vs llama.cpp | first turn: first text s "
+             "| later turns: first text s, median (range) | vs llama.cpp |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for k, rs in runs.items():
+        peaks = [r["peak_mib"] for r in rs]
+        m = statistics.median(peaks)
+        first1 = statistics.median(r["first_token_s"][0] for r in rs)
+        f = later(rs, "first_token_s")
+        lines.append(f"| {k} | {m:.0f} | {', '.join(f'{x:.0f}' for x in peaks)} | "
+                     f"{m / base:.2f}x | {first1:.2f} | {statistics.median(f):.3f} "
+                     f"({min(f):.3f}-{max(f):.3f}) | {statistics.median(f) / b_first:.2f}x |")
     notes = (f"`python benchmarks/vs_llamacpp.py --llama-python ... --parts chat --new {a.new} "
              f"--repeats {a.repeats}` on {machine()}; {os.path.basename(a.gguf)}; the "
              f"{len(QUESTIONS)} questions of the script, greedy, at most {a.new} tokens an "
              f"answer; jaxllm chat with its defaults (the file's 4-bit blocks, StreamingLLM "
              f"4+1020, float32 cache), llama.cpp's create_chat_completion with a 2,048-token "
-             f"context (float16 cache).")
+             f"context (float16 cache), streamed. First text: from a question handed over to "
+             f"its answer's first text (the turn's template tokens fed, the first token "
+             f"sampled and decoded); jaxllm's first turn holds its programs' compilation (first "
+             f"run) or their loading from the cache directory (second run).")
     record("Peak memory of a chat: jaxllm chat against llama.cpp (same GGUF)",
            "\n".join(lines), notes, dry=a.dry)
 
@@ -289,7 +357,7 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--caches", default="dense,streaming")
     ap.add_argument("--parts", default="speed,chat",
-                    help="speed: the formats' table; chat: peak memory of a chat")
+                    help="speed: the formats' table; chat: peak memory and turn latency of a chat")
     ap.add_argument("--dry", action="store_true", help="print, do not record")
     a = ap.parse_args()
     if a.worker:

@@ -215,7 +215,8 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32, backend: 
     :func:`xla_matmul`. On a CPU with AVX2, a few rows (decode) of 4- or 8-bit codes go to the
     C++ kernel that widens the codes in registers (pallas_kernels.cpu.lowbit_rows); more rows,
     and other CPUs, use :func:`xla_matmul`. ``backend="xla"`` (a ModelConfig's
-    ``kernels.int8``) chooses the XLA form everywhere. A node with ``act="block"``
+    ``kernels.int8``) chooses the XLA form everywhere, ``"cpu"`` the C++ kernel on a CPU and
+    the XLA form on any other platform (the Pallas kernels are then never traced). A node with ``act="block"``
     (:func:`round_inputs`) multiplies x rounded to 8 bits per 32 columns on every path; the
     CPU kernel then multiplies integers."""
     lead, n = x.shape[:-1], node.in_features
@@ -243,10 +244,12 @@ def matmul(x: Float[Array, "... i"], node: QLowBit, dtype=jnp.float32, backend: 
         return cpu_kernels.lowbit_rows(x2 if int8_x else rx(x2), node.codes, node.scale,
                                        node.offset, node.bits, node.group,
                                        int8_x=int8_x).astype(dtype)
+    cpu = on_cpu if cpu_kernels.lowbit_use_for(x2.shape[0], node.bits, node.group) else xla
     if pallas_kernels.resolve_backend(backend) == "xla":
         y = xla(x2)
+    elif backend == "cpu":  # chosen: the C++ kernel on a CPU, XLA's form elsewhere; no Pallas
+        y = cpu_kernels.on_cpu(cpu, xla, x2)  # kernel traced (a second a program for SmolLM2)
     else:
-        cpu = on_cpu if cpu_kernels.lowbit_use_for(x2.shape[0], node.bits, node.group) else xla
         y = jax.lax.platform_dependent(x2, cuda=by("triton"), rocm=by("triton"),
                                        tpu=by("tpu"), cpu=cpu, default=xla)
     return y.reshape(*lead, out)

@@ -65,6 +65,25 @@ def test_decode_rows_take_the_kernel_and_a_prefill_keeps_xla():
                                    atol=2e-5)
 
 
+
+@needs_kernel
+def test_the_cpu_backend_traces_no_pallas_kernel_and_lowers_elsewhere_to_xla():
+    """backend="cpu" (what the CLI picks on a CPU-only machine): the C++ kernel in a CPU
+    program, XLA's form in a GPU or TPU one, and no Pallas kernel in the trace; the product
+    equals the "auto" choice's."""
+    w = node(64, 256, 32, np.float16)
+    x = jnp.asarray(RNG.standard_normal((2, 256)), jnp.float32)
+    jitted = {b: jax.jit(lambda x, n, b=b: lowbit.matmul(x, n, backend=b)) for b in ("auto", "cpu")}
+    assert "pallas_call" in str(jitted["auto"].trace(x, w).jaxpr)
+    traced = jitted["cpu"].trace(x, w)
+    assert "pallas_call" not in str(traced.jaxpr)
+    assert cpu.LOWBIT_TARGET in jitted["cpu"].lower(x, w).compile().as_text()
+    for platform in ("cuda", "tpu"):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert cpu.LOWBIT_TARGET not in text and "custom_call" not in text, platform
+    np.testing.assert_array_equal(np.asarray(jitted["cpu"](x, w)),
+                                  np.asarray(jitted["auto"](x, w)))
+
 def np_round_blocks(x):
     """numpy's x rounded to 8 bits per 32 columns: d = max|x| / 127 (as float32 times 1/127),
     round half to even."""

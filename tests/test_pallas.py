@@ -148,6 +148,18 @@ def test_dispatcher(monkeypatch):
         Kernels.from_env()
 
 
+
+@pytest.mark.skipif({d.platform for d in jax.devices()} != {"cpu"}, reason="a CPU-only machine")
+def test_the_cli_picks_the_cpu_products_on_a_cpu_only_machine(monkeypatch):
+    """With the CPU as the only platform, the CLI's "auto" products become "cpu" (the C++
+    kernels, XLA's form elsewhere: no GPU or TPU kernel traced); a named choice stays."""
+    from jaxllm.cli import common
+    cfg, _, _ = common.load("random:pythia-14m", need_tokenizer=False)
+    assert cfg.kernels.int8 == "cpu" and cfg.kernels.attention == "auto"
+    monkeypatch.setenv("JAXLLM_INT8_BACKEND", "xla")
+    cfg, _, _ = common.load("random:pythia-14m", need_tokenizer=False)
+    assert cfg.kernels.int8 == "xla"
+
 # ---- compiled on a GPU (Triton lowering): `pytest -m gpu`, skipped elsewhere -------------------
 # Odd shapes (no dimension a block multiple) with the default blocks of every M regime and with
 # explicit ones, against numpy int64 (exact) and float64 (the epilogue, to float32 rounding).

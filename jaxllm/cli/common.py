@@ -224,11 +224,17 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
         raise CliError(flag_names(e)) from None
     # The kernels: the environment's choice (the CLI's default), read here once, part of every
     # program's static configuration from here on.
+    # On a machine whose only platform is the CPU, the products' kernels are the CPU's ("cpu":
+    # the C++ kernels, XLA's form elsewhere), so tracing a program never traces the GPU and TPU
+    # kernels that "auto" keeps for a lowering elsewhere (1 s of each SmolLM2 program's trace).
     from ..config import Kernels
     try:
-        cfg = dataclasses.replace(cfg, kernels=Kernels.from_env())
+        kernels = Kernels.from_env()
     except ValueError as e:
         raise CliError(str(e)) from None
+    if kernels.int8 == "auto" and {d.platform for d in jax.devices()} == {"cpu"}:
+        kernels = dataclasses.replace(kernels, int8="cpu")
+    cfg = dataclasses.replace(cfg, kernels=kernels)
     n = sum(x.size for x in jax.tree.leaves(params))
     say(f"loaded {model} ({cfg.family}, {cfg.num_layers} layers, {n / 1e6:.0f}M weights) in "
         f"{time.perf_counter() - t0:.1f} s")

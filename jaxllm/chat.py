@@ -14,6 +14,7 @@ can stop at a stop string.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -132,7 +133,32 @@ class Chat:
         # a host copy of it.
         self._empty = jax.device_get(cache)
         self.cache = cache
+        self._warming: Optional[threading.Thread] = None
         self._start()
+
+    def warm_up(self) -> None:
+        """Compile the two programs a turn runs (or read them from the compilation cache) in a
+        background thread, by feeding and stepping a throwaway empty cache; :meth:`send` waits
+        for it. At a terminal the chat does this while the user types the first question, so
+        the first answer comes as soon as the later ones (SmolLM2 on a 2-core CPU: 4 s of
+        tracing and loading the programs, docs/CPU.md)."""
+        from .generate import feed, step
+        from .progress import QUIET_THREAD
+
+        def run():
+            try:
+                _, key = jax.random.split(self.key)  # and the small programs send runs
+                rule, one = self.sampling.rule, np.ones((1,), np.int32)
+                token, cache = feed(self.params, self.cfg, rule, jax.device_put(self._empty),
+                                    np.zeros((1, self.chunk), np.int32), one, key)
+                int(token[0])
+                jax.block_until_ready(step(self.params, self.cfg, rule, cache, token, one, key))
+            except Exception:  # noqa: BLE001  (send compiles again and reports what fails)
+                pass
+
+        if self._warming is None:
+            self._warming = threading.Thread(target=run, name=QUIET_THREAD, daemon=True)
+            self._warming.start()
 
     def _start(self) -> None:
         self.history: list[dict] = ([{"role": "system", "content": self.system}]
@@ -155,6 +181,8 @@ class Chat:
         from .progress import watch_compiles
         if not message.strip():
             raise ValueError("the message is empty")
+        if self._warming is not None:
+            self._warming.join()
         sc = self.sampling
         ids = self.tok.encode(turn_text(self.tok, self.history, message, self.ended, self.fed))
         if not self.fed and self.cfg.sink_id is not None:  # a learnable sink starts the stream

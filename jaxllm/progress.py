@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -24,6 +25,9 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 # Programs this quick to lower and compile are not announced (element-wise helpers, casts).
 ANNOUNCE_LOWERING_S = 0.2
 REPORT_COMPILE_S = 0.5
+# Compiles in a thread of this name are not announced: work done ahead in the background
+# (jaxllm.chat.Chat.warm_up, while the user types), whose lines would break into the prompt.
+QUIET_THREAD = "jaxllm-background"
 
 
 def _name(kw: dict) -> str:
@@ -43,7 +47,7 @@ def watch_compiles(echo: Optional[Callable[[str], None]] = None):
         if event not in _STAGES:
             return
         spent[0] += secs
-        if echo is None:
+        if echo is None or threading.current_thread().name == QUIET_THREAD:
             return
         name = _name(kw)
         if event == _LOWERED and secs >= ANNOUNCE_LOWERING_S:

@@ -50,6 +50,33 @@ def test_turns_add_up_to_the_template(tiny):
     assert (fed + closing).startswith(tok.tok.apply_chat_template(history, tokenize=False))
 
 
+
+def test_warm_up_compiles_what_a_turn_runs(tiny):
+    """Chat.warm_up (at a terminal, while the user types) compiles both programs of a turn in
+    the background: the first send then compiles nothing, and answers as an unwarmed chat."""
+    from jaxllm.chat import Chat
+    cfg, params, tok = tiny
+
+    def fresh():  # a chunk no other test compiles, so the warm-up has work to do
+        return Chat(params, cfg, tok, jaxllm.StreamingLLM(4, 60).make_cache(cfg, 1, 64),
+                    SamplingConfig(max_new_tokens=5), chunk=5)
+    c = fresh()
+    c.warm_up()
+    c._warming.join()
+    compiled = []
+
+    def on(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kw.get("fun_name"))
+    jax.monitoring.register_event_duration_secs_listener(on)
+    try:
+        got = [c.send(q).answer for q in ("w1 w2 w3", "w9")]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on)
+    assert compiled == [], compiled
+    u = fresh()
+    assert got == [u.send(q).answer for q in ("w1 w2 w3", "w9")]
+
 def test_answers_are_greedy_continuations_of_the_whole_conversation(tiny):
     cfg, params, tok = tiny
     questions = ["w1 w2 w3", "w9", "w10 w11 w12 w13"]

@@ -54,6 +54,7 @@ def cmd_chat(a) -> None:
         raise CliError(f"{a.model}: {flag_names(e)}; use jaxllm generate to continue text")
     tty = sys.stdin.isatty()
     if tty:
+        c.warm_up()  # while the user types the first question
         print(f"Chatting with {a.model} through a {pc.label} cache of {capacity} tokens. "
               f"/help for commands, Ctrl-D to leave.", file=sys.stderr)
     for line in _lines(tty):

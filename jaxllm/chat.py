@@ -136,6 +136,11 @@ class Chat:
         self._warming: Optional[threading.Thread] = None
         self._start()
 
+    @property
+    def warming(self) -> bool:
+        """Whether :meth:`warm_up`'s background compile is still running."""
+        return self._warming is not None and self._warming.is_alive()
+
     def warm_up(self) -> None:
         """Compile the two programs a turn runs (or read them from the compilation cache) in a
         background thread, by feeding and stepping a throwaway empty cache; :meth:`send` waits
@@ -157,7 +162,9 @@ class Chat:
                 pass
 
         if self._warming is None:
-            self._warming = threading.Thread(target=run, name=QUIET_THREAD, daemon=True)
+            # Not a daemon: a process that ends during the compile waits for it, where a daemon
+            # thread torn down inside XLA aborts the interpreter's exit.
+            self._warming = threading.Thread(target=run, name=QUIET_THREAD)
             self._warming.start()
 
     def _start(self) -> None:

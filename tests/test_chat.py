@@ -216,6 +216,35 @@ def test_chat_command_reads_stdin_and_answers_as_generate_does(tiny, tiny_dir, c
     assert printed.err.count(" tok/s") == len(QUESTIONS)
 
 
+
+def test_leaving_a_terminal_chat_at_once_exits_cleanly(tiny_dir):
+    """Ctrl-D at the first prompt, while the programs compile in the background (Chat.warm_up):
+    exit status 0, and no abort from tearing the compile down."""
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+    main_fd, sub_fd = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxllm.cli", "--no-compile-cache", "chat",
+                             "--model", tiny_dir, "--max-new-tokens", "4", "--chunk", "7"],
+                            stdin=sub_fd, stdout=sub_fd, stderr=sub_fd, close_fds=True)
+    os.close(sub_fd)
+    seen, end = "", time.monotonic() + 120
+    while ">>> " not in seen and time.monotonic() < end:
+        if select.select([main_fd], [], [], 1.0)[0]:
+            seen += os.read(main_fd, 4096).decode(errors="replace")
+    os.write(main_fd, b"\x04")
+    proc.wait(timeout=120)
+    try:
+        while select.select([main_fd], [], [], 0.5)[0]:
+            seen += os.read(main_fd, 4096).decode(errors="replace")
+    except OSError:  # the terminal closed with the process
+        pass
+    os.close(main_fd)
+    assert ">>> " in seen and proc.returncode == 0, seen
+    assert "terminate called" not in seen and "Traceback" not in seen, seen
+
 def test_chat_command_at_a_terminal(tiny_dir):
     """Driven through a pseudo-terminal: a prompt, answers streamed, /cache, /reset (the same
     question then gets the same answer as in a fresh conversation), /exit."""

@@ -6,6 +6,7 @@ message, and each answer is printed after a line naming the message.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from ..argtypes import COUNT
@@ -89,6 +90,10 @@ def cmd_chat(a) -> None:
                 "interrupted": ", interrupted"}.get(r.stopped_by, "")
         print(f"[{r.answer_tokens} tokens, {r.tokens_per_s:.1f} tok/s{note}]"
               + (f" {_cache_line(c, capacity)}" if a.show_cache else ""), file=sys.stderr)
+    if c.warming:  # left before the background compile ended: neither wait for it nor let
+        sys.stdout.flush()  # the interpreter's exit tear XLA down under it (an abort)
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _cache_line(c, capacity: int) -> str:

@@ -236,10 +236,11 @@ def from_gguf(path: str, *, dtype=np.float32, progress: bool = False,
         proj = name.split(".")[-2]
         return unpermute(a, heads[proj]) if proj in heads else a
 
-    cfg, params = from_tensors(hf_cfg, get, list(by_hf), path, dtype=dtype, progress=progress)
-    if keep_quantized:
-        params = _keep_quantized(params, tensors, heads)
-    return cfg, params
+    # The kept tensors' placeholders are replaced before anything is copied to JAX: filled in
+    # as float32 zeros first, SmolLM2's first conversion peaked at 1,178 MiB against 436.
+    finish = (lambda flat: _keep_quantized(flat, tensors, heads)) if keep_quantized else None
+    return from_tensors(hf_cfg, get, list(by_hf), path, dtype=dtype, progress=progress,
+                        finish=finish)
 
 
 def _kept(name: str, tensor, tensors: dict) -> bool:
@@ -251,9 +252,10 @@ def _kept(name: str, tensor, tensors: dict) -> bool:
         (len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEARS))
 
 
-def _keep_quantized(params, tensors: dict, heads: dict):
-    from jaxllm import lowbit, tree
-    flat = tree.flatten(params)
+def _keep_quantized(flat: dict, tensors: dict, heads: dict) -> dict:
+    """The parameters by path with each kept tensor's placeholder replaced by its blocks."""
+    from jaxllm import lowbit
+    flat = dict(flat)
     proj = {"attn_q": heads["q_proj"], "attn_k": heads["k_proj"]}
     for name, t in tensors.items():
         if not _kept(name, t, tensors):
@@ -273,7 +275,7 @@ def _keep_quantized(params, tensors: dict, heads: dict):
             flat["embed/embedding"] = node
         else:
             flat[f"layer_{parts[1]}/{_LINEARS[parts[2]]}/kernel"] = node
-    return tree.unflatten(flat)
+    return flat
 
 
 def _strings(reader, key: str) -> list[str]:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import re
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import jax
 import numpy as np
@@ -166,10 +166,14 @@ def from_hf(src, *, allow_pickle: bool = False, dtype=np.float32,
 
 
 def from_tensors(hf_cfg: dict, get: Callable[[str], np.ndarray], names, where: str, *,
-                 dtype=np.float32, progress: bool = False) -> tuple[ModelConfig, dict]:
+                 dtype=np.float32, progress: bool = False,
+                 finish: Optional[Callable[[dict], dict]] = None) -> tuple[ModelConfig, dict]:
     """``(cfg, params)`` from an HF ``config.json`` dict and its tensors by HF name (``get``
     reads one, ``names`` lists them; ``where`` names the source in errors): the conversion
-    every source shares (HF directories, in-memory models, GGUF files)."""
+    every source shares (HF directories, in-memory models, GGUF files). ``finish(flat)``: the
+    parameters by path, still numpy, changed before they go to JAX; a tensor that ``get``
+    gives as a zero-stride broadcast (a placeholder, such as a GGUF linear kept as its blocks,
+    which ``finish`` puts in) is never copied out in full."""
     try:
         cfg = config_from_hf(hf_cfg)
     except UnsupportedModel:
@@ -206,11 +210,18 @@ def from_tensors(hf_cfg: dict, get: Callable[[str], np.ndarray], names, where: s
                              f"(quantized checkpoints, e.g. GPTQ/bitsandbytes, cannot be "
                              f"converted; use the float model)")
         for path, v in zip(e.ours, e.to_ours(a)):
-            flat[path] = np.ascontiguousarray(v, dtype=dtype)
+            flat[path] = v if _placeholder(v) else np.ascontiguousarray(v, dtype=dtype)
     # the name map must fill exactly the model's parameters, each with the model's shape
     check_params(cfg, flat, f"the {cfg.family} name map", {})
+    if finish is not None:
+        flat = finish(flat)
     # device_put, not jnp.asarray: the latter dispatches a conversion program per tensor
     return cfg, jax.device_put(tree.unflatten(flat))
+
+
+def _placeholder(v: np.ndarray) -> bool:
+    """A shape without data: every stride 0 (np.broadcast_to of one value)."""
+    return v.size > 1 and all(st == 0 for st in v.strides)
 
 
 def to_hf(cfg: ModelConfig, params, out_dir: str, *, tokenizer_dir: str | None = None,

@@ -377,6 +377,24 @@ def test_gptq_beats_rtn_on_the_real_models_activations(real):
         assert e_gptq < 0.8 * e_rtn, (bits, e_gptq, e_rtn)
 
 
+
+def test_keep_quantized_never_fills_the_kept_tensors_as_floats(monkeypatch):
+    """from_gguf(keep_quantized=True): each kept linear reaches the step that puts in its blocks
+    as a zero-stride placeholder (never copied out as float32 zeros: SmolLM2's first
+    conversion peaked at 1,178 MiB that way, 527 without), and every one is replaced."""
+    seen = {}
+    keep = jg._keep_quantized
+
+    def spy(flat, tensors, heads):
+        seen.update({k: v.strides for k, v in flat.items()
+                     if isinstance(v, np.ndarray) and v.ndim == 2 and not any(v.strides)})
+        out = keep(flat, tensors, heads)
+        assert all(not isinstance(out[k], np.ndarray) for k in seen)  # all became nodes
+        return out
+    monkeypatch.setattr(jg, "_keep_quantized", spy)
+    cfg, params = jg.from_gguf(_real_file(), keep_quantized=True)
+    assert len(seen) == 7 * cfg.num_layers + 1  # every linear and the tied embedding
+
 def test_keep_quantized_reads_the_files_blocks(real):
     """--keep-quantized: every Q4_1 linear becomes a 4-bit node (the tied Q8_0 embedding an
     8-bit one) whose codes are the file's nibbles (unpacked here by numpy: low nibbles elements 0-15, high 16-31; q/k rows back in
@@ -390,10 +408,8 @@ def test_keep_quantized_reads_the_files_blocks(real):
     reader = GGUFReader(_real_file())
     tensors = {t.name: t for t in reader.tensors}
     # from_gguf(keep_quantized=True)'s step, on the float load (no second read of the file)
-    params_q = jg._keep_quantized(params, jg._reader(_real_file()).tensors,
-                                  {"q_proj": cfg.num_heads,
-                                   "k_proj": cfg.num_kv_heads})
-    flat = tree.flatten(params_q)
+    flat = jg._keep_quantized(tree.flatten(params), jg._reader(_real_file()).tensors,
+                              {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads})
     file_bytes = ours = 0
     for name, path, heads in (("blk.0.attn_k.weight", "layer_0/attn/k/kernel", 3),
                               ("blk.7.ffn_down.weight", "layer_7/mlp/down/kernel", None)):

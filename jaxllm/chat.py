@@ -22,11 +22,8 @@ import jax
 import numpy as np
 
 # Prompt tokens per feed call: every turn's prompt goes through one program of this width. A
-# chat's turns are short (the template's dozen tokens around a question), and a call costs
-# about the same whatever part of its width the turn fills: on a CPU SmolLM2 with the file's
-# 4-bit blocks fed a 12-token turn in 151 ms in chunks of 16 against 345 in one of 64, and 64
-# tokens in 638 ms against 349 (docs/CPU.md, "A chat turn's prompt"). A program of 16 rows is
-# also smaller (SmolLM2: 24,500 instructions against 41,300, 50 MiB less resident).
+# call costs about the same whatever part of its width a turn fills, and a chat's turns are
+# short, so the width is small (the measurements: docs/CPU.md, "A chat turn's prompt").
 CHUNK = 16
 
 
@@ -145,8 +142,8 @@ class Chat:
         """Compile the two programs a turn runs (or read them from the compilation cache) in a
         background thread, by feeding and stepping a throwaway empty cache; :meth:`send` waits
         for it. At a terminal the chat does this while the user types the first question, so
-        the first answer comes as soon as the later ones (SmolLM2 on a 2-core CPU: 4 s of
-        tracing and loading the programs, docs/CPU.md)."""
+        the first answer comes as soon as the later ones (docs/CPU.md, "One block traced for every
+        layer")."""
         from .generate import feed, step
         from .progress import QUIET_THREAD
 

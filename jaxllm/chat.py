@@ -97,6 +97,29 @@ class _Shown:
         return text
 
 
+@dataclasses.dataclass(frozen=True)
+class _Blank:
+    """How to make one array of an empty cache again: its shape, dtype and the one value it
+    holds throughout (an empty cache's arrays are fills: zeros, -1 positions), or its values."""
+    shape: tuple
+    dtype: np.dtype
+    fill: object  # a numpy scalar, or the array itself where its values differ
+
+    @classmethod
+    def of(cls, x) -> _Blank:
+        a = np.asarray(x)
+        first = a.reshape(-1)[:1]
+        if a.size and bool(np.all(a == first)):
+            return cls(a.shape, a.dtype, first[0])
+        return cls(a.shape, a.dtype, np.array(a, copy=True))
+
+    def make(self) -> jax.Array:
+        import jax.numpy as jnp
+        if isinstance(self.fill, np.ndarray):
+            return jnp.array(self.fill)
+        return jnp.full(self.shape, self.fill, self.dtype)
+
+
 class Chat:
     """One conversation with a model through ``cache`` (a StreamingLLM cache keeps it going
     forever at constant memory; a dense cache until it is full).
@@ -126,9 +149,10 @@ class Chat:
             raise ValueError(f"chunk={chunk}: feed at least 1 prompt token a call")
         self.chunk = int(chunk)
         self.key = jax.random.key(0) if key is None else key
-        # reset() needs the empty cache back, and the one given is donated to the first call:
-        # a host copy of it.
-        self._empty = jax.device_get(cache)
+        # reset() needs the empty cache back, and the one given is donated to the first call.
+        # Kept as a recipe, not as host arrays: on a CPU those are views that keep the given
+        # cache's buffers alive beside the live cache (a second cache's memory, all chat long).
+        self._empty = jax.tree.map(_Blank.of, cache)
         self.cache = cache
         self._warming: Optional[threading.Thread] = None
         self._start()
@@ -151,7 +175,7 @@ class Chat:
             try:
                 _, key = jax.random.split(self.key)  # and the small programs send runs
                 rule, one = self.sampling.rule, np.ones((1,), np.int32)
-                token, cache = feed(self.params, self.cfg, rule, jax.device_put(self._empty),
+                token, cache = feed(self.params, self.cfg, rule, self._empty_cache(),
                                     np.zeros((1, self.chunk), np.int32), one, key)
                 int(token[0])
                 jax.block_until_ready(step(self.params, self.cfg, rule, cache, token, one, key))
@@ -171,8 +195,12 @@ class Chat:
 
     def reset(self) -> None:
         """A new conversation: the cache emptied, the history forgotten."""
-        self.cache = jax.device_put(self._empty)
+        self.cache = None  # freed before its replacement is made
+        self.cache = self._empty_cache()
         self._start()
+
+    def _empty_cache(self):
+        return jax.tree.map(_Blank.make, self._empty)
 
     @property
     def held(self) -> int:

@@ -77,6 +77,36 @@ def test_warm_up_compiles_what_a_turn_runs(tiny):
     u = fresh()
     assert got == [u.send(q).answer for q in ("w1 w2 w3", "w9")]
 
+def _rss_mib() -> float:
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what glibc keeps of freed memory is not held
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_a_chat_holds_one_cache(tiny):
+    """The cache given to a Chat is donated to its first turn and not kept beside the live one
+    (host views of it, kept for reset(), held its buffers: a second cache's memory all chat
+    long); reset() then starts again from an empty cache."""
+    from jaxllm.chat import Chat
+    _, _, tok = tiny
+    cfg = jaxllm.ModelConfig.llama(vocab_size=len(WORDS), hidden_size=256, num_layers=2,
+                                   num_heads=2, num_kv_heads=2, intermediate_size=64)
+    params = jaxllm.init_params(cfg, jax.random.key(0))
+    cache = jaxllm.init_cache(cfg, 1, sinks=4, window=65_532)  # 256 MiB of keys and values
+    mib = sum(x.nbytes for x in jax.tree.leaves(cache)) / 2**20
+    before = _rss_mib()
+    c = Chat(params, cfg, tok, cache, SamplingConfig(max_new_tokens=3), chunk=4)
+    del cache
+    first = c.send("w1 w2")  # compiles too: the programs' memory is small beside the cache
+    assert _rss_mib() - before < mib / 2
+    c.reset()
+    assert c.held == 0 and _rss_mib() - before < mib / 2
+    again = c.send("w1 w2")  # a new conversation: the first turn again
+    assert (again.answer, again.held) == (first.answer, first.held)
+
+
 def test_answers_are_greedy_continuations_of_the_whole_conversation(tiny):
     cfg, params, tok = tiny
     questions = ["w1 w2 w3", "w9", "w10 w11 w12 w13"]

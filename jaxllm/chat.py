@@ -25,6 +25,10 @@ import numpy as np
 # call costs about the same whatever part of its width a turn fills, and a chat's turns are
 # short, so the width is small (the measurements: docs/CPU.md, "A chat turn's prompt").
 CHUNK = 16
+# Answer tokens per call: the host looks at the answer (end token, stop strings) and shows its
+# text a burst at a time. One call a token spends each call's dispatch with the machine idle
+# (docs/CPU.md, "A chat's answer").
+BURST = 4
 
 
 class Round(NamedTuple):
@@ -128,13 +132,16 @@ class Chat:
     (``max_new_tokens`` a turn; the end token and ``stop`` strings end it earlier) and returns a
     :class:`Round`; ``on_text(piece)`` receives the answer's text as it is generated. ``chunk``:
     prompt tokens per feed call (one compiled program of that width; a larger one feeds long
-    prompts faster and short turns slower, see :data:`CHUNK`).
+    prompts faster and short turns slower, see :data:`CHUNK`). ``burst``: answer tokens
+    generated per call, the text shown a burst at a time (1: each token as it comes, slower;
+    see :data:`BURST`).
     ``system``: a system message first (the template's default when None). ``reset()`` starts a
     new conversation in an empty cache.
     """
 
     def __init__(self, params, cfg, tok, cache, sampling=None, key: Optional[jax.Array] = None,
-                 system: Optional[str] = None, stop: Sequence[str] = (), chunk: int = CHUNK):
+                 system: Optional[str] = None, stop: Sequence[str] = (), chunk: int = CHUNK,
+                 burst: int = BURST):
         from .generate import SamplingConfig
         if not getattr(tok, "has_chat_template", False):
             raise ValueError(f"{getattr(tok, 'name', 'the model')}'s tokenizer has no chat "
@@ -148,6 +155,9 @@ class Chat:
         if chunk < 1:
             raise ValueError(f"chunk={chunk}: feed at least 1 prompt token a call")
         self.chunk = int(chunk)
+        if burst < 1:
+            raise ValueError(f"burst={burst}: generate at least 1 token a call")
+        self.burst = int(burst)
         self.key = jax.random.key(0) if key is None else key
         # reset() needs the empty cache back, and the one given is donated to the first call.
         # Kept as a recipe, not as host arrays: on a CPU those are views that keep the given
@@ -168,7 +178,7 @@ class Chat:
         for it. At a terminal the chat does this while the user types the first question, so
         the first answer comes as soon as the later ones (docs/CPU.md, "One block traced for every
         layer")."""
-        from .generate import feed, step
+        from .generate import feed, steps
         from .progress import QUIET_THREAD
 
         def run():
@@ -178,7 +188,8 @@ class Chat:
                 token, cache = feed(self.params, self.cfg, rule, self._empty_cache(),
                                     np.zeros((1, self.chunk), np.int32), one, key)
                 int(token[0])
-                jax.block_until_ready(step(self.params, self.cfg, rule, cache, token, one, key))
+                jax.block_until_ready(steps(self.params, self.cfg, rule, self.burst, cache,
+                                            one, np.int32(1), np.int32(-1), key))
             except Exception:  # noqa: BLE001  (send compiles again and reports what fails)
                 pass
 
@@ -207,7 +218,7 @@ class Chat:
         return int(np.max(np.asarray(self.cache.length)))
 
     def send(self, message: str, on_text: Optional[Callable[[str], None]] = None) -> Round:
-        from .generate import feed, step
+        from .generate import feed, steps
         from .kv.cache import kv_bytes
         from .positions import with_sink
         from .progress import watch_compiles
@@ -234,27 +245,36 @@ class Chat:
             self.fed = True
             t1, c1 = time.perf_counter(), compiling[0]
             out: list[int] = []
+            queue = [int(token[0])]  # sampled, not yet looked at; the last not yet written
+            eos = np.int32(-1 if sc.eos_id is None else sc.eos_id)
             try:
                 while True:
-                    t = int(token[0])
-                    out.append(t)
-                    new = ""
-                    if t == sc.eos_id:
-                        stopped_by = "eos"
-                    else:
-                        new, hit = shown.add(t)
-                        if hit:
-                            stopped_by = "stop string"
-                    # Written in every case, so the cache holds every token generated (the
-                    # text is shown after the step is dispatched: the first step's compile
-                    # never splits an answer's line).
-                    self.key, sub = jax.random.split(self.key)
-                    token, self.cache = step(self.params, self.cfg, sc.rule, self.cache, token,
-                                             np.ones((1,), np.int32), sub)
-                    if new and on_text is not None:
-                        on_text(new)
-                    if stopped_by != "length" or len(out) >= sc.max_new_tokens:
+                    text = ""
+                    for t in queue:
+                        out.append(t)
+                        if t == sc.eos_id:  # a burst stops at the end token
+                            stopped_by = "eos"
+                        else:
+                            new, hit = shown.add(t)
+                            text += new
+                            if hit and stopped_by == "length":
+                                stopped_by = "stop string"
+                    left = sc.max_new_tokens - len(out)
+                    last = stopped_by != "length" or left <= 0
+                    # The last token is written in every case, so the cache holds every token
+                    # generated (a burst's tokens after a stop string too: the history keeps
+                    # them). The text is shown after the burst is dispatched: its compile never
+                    # splits an answer's line.
+                    toks, count, self.cache, self.key = steps(
+                        self.params, self.cfg, sc.rule, self.burst, self.cache,
+                        np.asarray(queue[-1:], np.int32), np.int32(1 if last else
+                                                                   min(self.burst, left)),
+                        eos, self.key)
+                    if text and on_text is not None:
+                        on_text(text)
+                    if last:
                         break
+                    queue = [int(t) for t in np.asarray(toks)[0, :int(count[0])]]
             except KeyboardInterrupt:
                 stopped_by = "interrupted"
             jax.block_until_ready(self.cache)

@@ -253,6 +253,36 @@ def step(params, cfg: ModelConfig, rule: SamplingConfig, cache: KVCache,
     return sample_logits(logits[:, 0], key, rule), cache
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "rule", "width"),
+                   donate_argnames=("cache",))
+def steps(params, cfg: ModelConfig, rule: SamplingConfig, width: int, cache: KVCache,
+          token: Int[Array, " b"], n: Int[Array, ""], eos: Int[Array, ""], key: jax.Array
+          ) -> tuple[Int[Array, "b w"], Int[Array, " b"], KVCache, jax.Array]:
+    """Up to ``n`` (<= ``width``) calls of :func:`step` in one program: write each row's
+    ``token``, sample the next, and so on, a row stopping once it has sampled ``eos``. Returns
+    the tokens sampled (``[B, width]``, a row's first ``count`` valid; the last of them is not
+    written yet, as after :func:`step`), ``count``, the cache and the key to go on with.
+
+    A host loop over :func:`step` pays each call's dispatch (some 700 arguments for a model's
+    layers) with the machine idle; this pays it once for ``n`` tokens (a chat's bursts)."""
+    B = token.shape[0]
+
+    def body(s):
+        i, tok, out, count, done, key, cache = s
+        p, i = loop_weights(params, i)  # else XLA widens W8/bf16 weights before the loop
+        key, sub = jax.random.split(key)
+        logits, cache = apply(p, cfg, tok[:, None], cache, (~done).astype(jnp.int32))
+        new = jnp.where(done, tok, sample_logits(logits[:, 0], sub, rule))
+        out = jax.lax.dynamic_update_index_in_dim(out, new, i, 1)
+        return i + 1, new, out, count + ~done, done | (new == eos), key, cache
+
+    init = (jnp.int32(0), token, jnp.full((B, width), jnp.maximum(eos, 0), jnp.int32),
+            jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), key, cache)
+    _, _, out, count, _, key, cache = jax.lax.while_loop(
+        lambda s: (s[0] < jnp.minimum(n, width)) & ~jnp.all(s[4]), body, init)
+    return out, count, cache, key
+
+
 def generate_python(params, cfg: ModelConfig, prompt, cache: KVCache,
                     sampling: SamplingConfig = SamplingConfig(), key=None, prompt_lengths=None
                     ) -> GenerateResult:

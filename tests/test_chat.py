@@ -132,6 +132,31 @@ def test_answers_are_greedy_continuations_of_the_whole_conversation(tiny):
     assert rounds[-1].kv_bytes == 2 * 2 * 2 * 256 * 8 * 4  # k, v x layers x heads x slots x dh
 
 
+def test_a_stop_string_inside_a_burst(tiny):
+    """An answer generated a burst at a time stops at a stop string that appears inside a burst:
+    the answer is cut before it, and the burst's later tokens are in the cache and counted, so
+    the conversation goes on from what the cache holds."""
+    from jaxllm.chat import Chat
+    cfg, params, tok = tiny
+
+    def chat(stop=()):
+        cache = jaxllm.init_cache(cfg, 1, sinks=0, window=256, ring=False)
+        return Chat(params, cfg, tok, cache, SamplingConfig(max_new_tokens=12), stop=stop,
+                    burst=4)
+    free = chat().send("w1 w2 w3")
+    words = free.answer.split()
+    assert len(words) >= 4, free.answer  # the stop string comes inside the first burst
+    stop = words[2]
+    c = chat([stop])
+    got = c.send("w1 w2 w3")
+    assert got.stopped_by == "stop string"
+    assert got.answer == free.answer[:free.answer.index(stop)].strip()
+    assert got.answer_tokens > len(tok.encode(got.answer))  # the burst's rest, kept
+    assert got.seen == got.held == c.held
+    after = c.send("w9")
+    assert after.seen == after.held == got.held + after.prompt_tokens + after.answer_tokens
+
+
 def test_a_chat_needs_a_template_and_an_end_token(tiny, capsys):
     from jaxllm.cli import main
     assert main(["generate", "--model", "embedded", "--chat", "--prompt", "hi"]) == 2

@@ -25,6 +25,39 @@ def greedy_by_hand(prompt, n, sinks, window):
     return out
 
 
+def test_steps_are_calls_of_step_stopping_at_eos():
+    """generate.steps (a chat's burst) against a hand-written greedy loop for the tokens and
+    against calls of step() for the cache: two rows through a ring that wraps, one stopping at
+    its end token inside the burst, the burst cut at n < width."""
+    from jaxllm.generate import feed, step, steps
+    prompts = np.asarray([[5, 9, 11, 2, 7], [3, 4, 8, 8, 1]], np.int32)
+    want = [greedy_by_hand(list(p), 9, 2, 6) for p in prompts]
+    eos = want[0][3]  # row 0 samples it as its third token of the burst
+    cut = [next((i + 1 for i, t in enumerate(w[1:7]) if t == eos), 6) for w in want]
+    rule = jaxllm.SamplingConfig().rule
+    key = jax.random.key(0)
+
+    def fed():
+        cache = jaxllm.init_cache(LLAMA, 2, sinks=2, window=6)
+        return feed(PARAMS, LLAMA, rule, cache, prompts, np.asarray([5, 5], np.int32), key)
+
+    tok, cache = fed()
+    assert list(np.asarray(tok)) == [w[0] for w in want]
+    out, count, cache, _ = steps(PARAMS, LLAMA, rule, 8, cache, tok, np.int32(6),
+                                 np.int32(eos), key)
+    assert list(np.asarray(count)) == cut and cut[0] == 3
+    for b in range(2):
+        assert list(np.asarray(out[b, :cut[b]])) == want[b][1:1 + cut[b]]
+    tok, ref = fed()  # the same through step, a row left alone once it has sampled eos
+    done = np.zeros(2, bool)
+    for _ in range(6):
+        tok, ref = step(PARAMS, LLAMA, rule, ref, tok, (~done).astype(np.int32), key)
+        done |= np.asarray(tok) == eos
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_greedy_matches_hand_loop_with_padding_and_wraparound():
     prompts = [[5, 9, 11, 2, 7, 7, 1], [3, 4]]
     lens = np.array([7, 2])

@@ -10,7 +10,7 @@ import os
 import sys
 
 from ..argtypes import COUNT
-from ..chat import CHUNK
+from ..chat import BURST, CHUNK
 from ..policy import METHODS
 from .common import (DEFAULT_MODEL, MODEL_HELP, CliError, add_policy_args, add_sampling_args,
                      add_weights_arg, flag_names, load, policy, sampling, seed_key,
@@ -33,6 +33,9 @@ def add_chat(sub) -> None:
     p.add_argument("--chunk", type=COUNT, default=CHUNK,
                    help=f"prompt tokens per feed call (default {CHUNK}: a chat's turns are short; "
                         f"64 feeds long pasted prompts faster and short turns slower)")
+    p.add_argument("--burst", type=COUNT, default=BURST,
+                   help=f"answer tokens generated per call, the text shown a burst at a time "
+                        f"(default {BURST}; 1 shows each token as it comes, and is slower)")
     p.add_argument("--show-cache", action="store_true",
                    help="after each answer, also print what the cache holds")
     add_policy_args(p, methods=[m for m, c in METHODS.items() if c.keeps_cache and c.streams],
@@ -50,7 +53,7 @@ def cmd_chat(a) -> None:
     cache, capacity = streaming_cache(a, cfg, pc)
     try:
         c = Chat(params, cfg, tok, cache, sampling(a, tok), seed_key(a.seed), system=a.system,
-                 stop=a.stop, chunk=a.chunk)
+                 stop=a.stop, chunk=a.chunk, burst=a.burst)
     except ValueError as e:
         raise CliError(f"{a.model}: {flag_names(e)}; use jaxllm generate to continue text")
     tty = sys.stdin.isatty()

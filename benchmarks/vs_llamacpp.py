@@ -181,22 +181,41 @@ class _TurnClock:
                 "answer_s": [e - a for a, e in zip(self.asked, self.ended)]}
 
 
+class _TokenCounts:
+    """stderr for ``jaxllm chat``: passed on, and each answer's token count read from the line
+    the chat prints after it ("[N tokens, ...")."""
+
+    def __init__(self, out):
+        self.out, self.counts = out, []
+
+    def write(self, text: str) -> int:
+        import re
+        self.counts += [int(n) for n in re.findall(r"^\[(\d+) tokens", text, re.M)]
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
 def worker_jaxllm_chat(a) -> dict:
     """``jaxllm chat`` as a user runs it (its defaults: the file's blocks, StreamingLLM), the
     QUESTIONS typed in, in this process: its peak RSS is the command's; each turn timed from
     its question to the answer's first text."""
     sys.path.insert(0, os.path.dirname(HERE))
     from jaxllm.cli import main
-    clock = _TurnClock(QUESTIONS, sys.stderr)
-    sys.stdin, stdout = clock, sys.stdout
-    sys.stdout = clock
+    clock, counts = _TurnClock(QUESTIONS, sys.stderr), _TokenCounts(sys.stderr)
+    sys.stdin, stdout, stderr = clock, sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = clock, counts
     try:
         rc = main(["chat", "--model", a.gguf, "--max-new-tokens", str(a.new)])
     finally:
-        sys.stdout = stdout
+        sys.stdout, sys.stderr = stdout, stderr
     if rc:
         raise SystemExit(f"jaxllm chat exited {rc}")
-    return {"peak_mib": _peak_mib(), **clock.turns()}
+    return {"peak_mib": _peak_mib(), **clock.turns(), "answer_tokens": counts.counts}
 
 
 def worker_llama_chat(a) -> dict:
@@ -206,19 +225,23 @@ def worker_llama_chat(a) -> dict:
     from llama_cpp import Llama
     llm = Llama(model_path=a.gguf, n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
     messages: list = []
-    first, answer = [], []
+    first, answer, tokens = [], [], []
     for q in QUESTIONS:
         messages.append({"role": "user", "content": q})
         t0, parts = time.perf_counter(), []
         for chunk in llm.create_chat_completion(messages=messages, max_tokens=a.new,
                                                 temperature=0.0, stream=True):
-            piece = chunk["choices"][0]["delta"].get("content") or ""
+            delta = chunk["choices"][0]["delta"]
+            piece = delta.get("content") or ""
             if piece.strip() and len(first) < len(answer) + 1:
                 first.append(time.perf_counter() - t0)
-            parts.append(piece)
+            if "content" in delta:  # a chunk a token (the first names the role only)
+                parts.append(piece)
         answer.append(time.perf_counter() - t0)
+        tokens.append(len(parts))
         messages.append({"role": "assistant", "content": "".join(parts)})
-    return {"peak_mib": _peak_mib(), "first_token_s": first, "answer_s": answer}
+    return {"peak_mib": _peak_mib(), "first_token_s": first, "answer_s": answer,
+            "answer_tokens": tokens}
 
 
 def chat_memory(a) -> None:
@@ -229,6 +252,8 @@ def chat_memory(a) -> None:
 
     from _record import machine, record
     import tempfile
+
+    from jaxllm.chat import BURST
     runs: dict = {"llama.cpp": [], "jaxllm chat, first run": [], "jaxllm chat, second run": []}
     for rep in range(a.repeats):
         runs["llama.cpp"].append(spawn(a.llama_python, "llama-chat", a))
@@ -244,9 +269,15 @@ def chat_memory(a) -> None:
     base = statistics.median(r["peak_mib"] for r in runs["llama.cpp"])
     later = lambda rs, key: [x for r in rs for x in r[key][1:]]  # noqa: E731  turns 2 on
     b_first = statistics.median(later(runs["llama.cpp"], "first_token_s"))
+    def per_token(rs):  # an answer's text after its first token, ms a token (turns 2 on)
+        return statistics.median(
+            (e - f) / (n - 1) * 1e3 for r in rs for f, e, n in
+            list(zip(r["first_token_s"], r["answer_s"], r["answer_tokens"]))[1:] if n > 1)
+    b_tok = per_token(runs["llama.cpp"])
     lines = ["| program | peak RSS MiB (median) | runs | vs llama.cpp | first turn: first text s "
-             "| later turns: first text s, median (range) | vs llama.cpp |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "| later turns: first text s, median (range) | vs llama.cpp | later answers: ms a "
+             "token after the first | vs llama.cpp |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for k, rs in runs.items():
         peaks = [r["peak_mib"] for r in rs]
         m = statistics.median(peaks)
@@ -254,7 +285,8 @@ def chat_memory(a) -> None:
         f = later(rs, "first_token_s")
         lines.append(f"| {k} | {m:.0f} | {', '.join(f'{x:.0f}' for x in peaks)} | "
                      f"{m / base:.2f}x | {first1:.2f} | {statistics.median(f):.3f} "
-                     f"({min(f):.3f}-{max(f):.3f}) | {statistics.median(f) / b_first:.2f}x |")
+                     f"({min(f):.3f}-{max(f):.3f}) | {statistics.median(f) / b_first:.2f}x | "
+                     f"{per_token(rs):.1f} | {per_token(rs) / b_tok:.2f}x |")
     notes = (f"`python benchmarks/vs_llamacpp.py --llama-python ... --parts chat --new {a.new} "
              f"--repeats {a.repeats}` on {machine()}; {os.path.basename(a.gguf)}; the "
              f"{len(QUESTIONS)} questions of the script, greedy, at most {a.new} tokens an "
@@ -263,7 +295,10 @@ def chat_memory(a) -> None:
              f"context (float16 cache), streamed. First text: from a question handed over to "
              f"its answer's first text (the turn's template tokens fed, the first token "
              f"sampled and decoded); jaxllm's first turn holds its programs' compilation (first "
-             f"run) or their loading from the cache directory (second run).")
+             f"run) or their loading from the cache directory (second run). Ms a token: from "
+             f"the answer's first text to its end over its tokens after the first (jaxllm's "
+             f"shown {BURST} at a time, its answer's end after its last token is written; "
+             f"llama.cpp's one at a time), the median over turns 2 on.")
     record("Peak memory of a chat: jaxllm chat against llama.cpp (same GGUF)",
            "\n".join(lines), notes, dry=a.dry)
 

@@ -189,3 +189,19 @@ def test_decode_step_lowers_for_gpu_with_the_kernel(kv, monkeypatch):
         jax.ShapeDtypeStruct((8,), jnp.int32))
     text = step.lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text  # (one call: the layers are a scan)
+
+
+def test_a_chats_bursts_lower_for_gpu_with_the_kernel():
+    """generate.steps (a chat's answer, a burst a call) lowers for CUDA with the stored-format
+    kernel in its loop: Llama-2-7B shapes, 2 layers, a bfloat16 4 + 4092 cache."""
+    from jaxllm.generate import SamplingConfig, steps
+    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2,
+                              kernels=Kernels(attention="pallas"))
+    S = jax.ShapeDtypeStruct
+    params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
+    params = jax.tree.map(lambda a: S(a.shape, jnp.bfloat16), params)
+    cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, 1, sinks=4, window=4092,
+                                                     dtype=jnp.bfloat16))
+    traced = steps.trace(params, cfg, SamplingConfig().rule, 4, cache, S((1,), jnp.int32),
+                         S((), jnp.int32), S((), jnp.int32), jax.random.key(0))
+    assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()

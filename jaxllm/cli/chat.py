@@ -46,6 +46,7 @@ def add_chat(sub) -> None:
 
 def cmd_chat(a) -> None:
     from ..chat import Chat
+    from ..progress import return_freed_memory
     pc = policy(a)
     cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
                             int8_inputs=a.int8_inputs,
@@ -88,6 +89,7 @@ def cmd_chat(a) -> None:
         except ValueError as e:
             raise CliError(flag_names(e)) from None
         print(flush=True)
+        return_freed_memory()  # the turn's freed temporaries: glibc would keep them resident
         note = {"length": f", cut at --max-new-tokens {a.max_new_tokens}",
                 "stop string": ", ended at a stop string",
                 "interrupted": ", interrupted"}.get(r.stopped_by, "")

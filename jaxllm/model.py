@@ -213,6 +213,12 @@ class Transformer(nn.Module):
             x = x + nn.Embed(cfg.max_seq_len, cfg.hidden_size,
                              embedding_init=nn.initializers.normal(cfg.init_std),
                              name="pos_embed")(pos).astype(dt)
+        lens = None if lay is None else getattr(lay, "lens", None)
+        if lens is not None:
+            # A row a chunk leaves alone (no valid token: a finished or idle row of a batch)
+            # computes from zeros: its results are never read, and zero rows cost the CPU's
+            # low-bit products nothing (pallas_kernels/csrc/lowbit_rows.cc).
+            x = jnp.where((lens > 0)[:, None, None], x, jnp.zeros((), x.dtype))
         # RoPE frequencies, positions, tables and masks once per forward, shared by all layers;
         # only dynamic NTK scaling depends on the length.
         seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.seen_length

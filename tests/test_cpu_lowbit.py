@@ -47,6 +47,27 @@ def test_the_kernel_is_numpys_product_with_the_dequantized_weight(M, N, K, group
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits,int8_x", [(4, False), (4, True), (8, False), (8, True)])
+def test_zero_rows_of_x_are_zero_products_and_the_rest_unchanged(bits, int8_x):
+    """Rows of x that are all zero (a batch's rows a decode step leaves alone) come out as exact
+    zeros, and the other rows as numpy's product, whether one, some or all rows are zero."""
+    w = node(300, 576, 32, np.float16, bits)
+    x = RNG.standard_normal((8, 576)).astype(np.float32)
+    f = jax.jit(lambda x, w: cpu.lowbit_rows(x, w.codes, w.scale, w.offset, w.bits, w.group,
+                                             int8_x=int8_x))
+    xr = np.asarray(lowbit.round_blocks(jnp.asarray(x))) if int8_x else x
+    want = xr.astype(np.float64) @ lowbit.numpy_dequantize(w).T
+    for zero in ([3], [0, 1, 2, 4, 5, 6, 7], list(range(8))):
+        xz = x.copy()
+        xz[zero] = 0.0
+        got = np.asarray(f(xz, w))
+        live = [m for m in range(8) if m not in zero]
+        assert not got[zero].any()
+        np.testing.assert_allclose(got[live], want[live], rtol=0,
+                                   atol=2e-6 * np.abs(want).max() * np.sqrt(576))
+
+
+@needs_kernel
 def test_decode_rows_take_the_kernel_and_a_prefill_keeps_xla():
     """lowbit.matmul sends a few rows of 4-bit codes to the kernel (its FFI target in the
     compiled CPU program) and many rows or 3-bit codes to XLA's form; both give the same

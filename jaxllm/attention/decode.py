@@ -58,6 +58,8 @@ def plan(cfg: ModelConfig, lay: kvc.ChunkLayout, B: int, sinks: int, freq,
     C = lay.ring_k_pos.shape[1]
     view = kvc.token_view(lay, sinks)
     mask = view.mask
+    if lay.lens is not None:  # a row the step leaves alone attends to nothing: the CPU kernel
+        mask = mask & (lay.lens > 0)[:, None, None]  # then reads none of its cache
     if cfg.sliding_window:  # Mistral's window, over the non-sink slots
         mask = mask & ((jnp.arange(C) < sinks) | (view.dist < cfg.sliding_window))[:, None]
     k_pos = jnp.broadcast_to(view.k_pos, (B, C))

@@ -19,9 +19,7 @@ def add_serve(sub) -> None:
                                      "at once, each through its own row of a StreamingLLM cache")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--slots", type=integer(1, 4096), default=8,
-                   help="cache rows: streams answered at once. Every decode step "
-                        "computes all of them, busy or not: on a CPU, fewer rows answer one "
-                        "stream faster (docs/CPU.md, \"A server's rows\")")
+                   help="cache rows: streams answered at once")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default loopback only; 0.0.0.0 for every "
                         "interface, with --api-key)")

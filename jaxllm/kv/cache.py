@@ -50,7 +50,7 @@ and rotate them where they are read.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +170,7 @@ class ChunkLayout(NamedTuple):
     sink_ok: Bool[Array, "b s"]  # sink slot j is (or becomes) written
     ring_ok: Bool[Array, "b c"]  # a ring slot holds a token (sink slots: False)
     chunk_ok: Bool[Array, "b t"]  # a chunk token that is not a sink nor padding
+    lens: Optional[Int[Array, " b"]] = None  # the chunk's valid tokens per row (0: left alone)
 
     @property
     def seen_length(self) -> Int[Array, " b"]:
@@ -237,7 +238,7 @@ def chunk_layout(cache: KVCache, lens: Int[Array, " b"], T: int) -> ChunkLayout:
                        first_nonsink=jnp.minimum(n_sink_in_chunk, T)[:, 0],
                        n_nonsink=n_nonsink[:, 0], sink_ok=sink_exists,
                        ring_ok=jnp.concatenate([jnp.zeros((B, S), bool), d <= ring_count], 1),
-                       chunk_ok=nonsink)
+                       chunk_ok=nonsink, lens=lens[:, 0])
 
 
 def merge_sinks(cache_k: Float[Array, "b n c h"], chunk_k: Float[Array, "b n t h"],

@@ -489,9 +489,27 @@ ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   return ffi::Error::InvalidArgument(name + " was built without AVX2, FMA and F16C; use XLA's "
                                      "form");
 #else
+  // Rows of x that are all zero have all-zero products (the weights are finite): only the
+  // others are multiplied, gathered first where some are zero. A batch's rows that a decode
+  // step leaves alone come as zeros (jaxllm.model), so they cost nothing here.
+  std::vector<int64_t> live;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x.typed_data() + m * K;
+    if (std::any_of(xm, xm + K, [](float v) { return v != 0.0f; })) live.push_back(m);
+  }
+  std::vector<float> xg, yg;
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  auto run = [&](auto* s, auto* o) {
+  const int64_t rows = static_cast<int64_t>(live.size());
+  if (rows < M) {
+    std::fill(yp, yp + M * N, 0.0f);
+    if (rows == 0) return ffi::Error::Success();
+    xg.resize(rows * K), yg.resize(rows * N);
+    for (int64_t i = 0; i < rows; ++i)
+      std::copy(xp + live[i] * K, xp + (live[i] + 1) * K, xg.data() + i * K);
+    xp = xg.data(), yp = yg.data();
+  }
+  auto run = [&, M = rows](auto* s, auto* o) {
     if (int8_x && four)
       product_i8(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, M, K,
                  W, Gn, group, N);
@@ -511,6 +529,9 @@ ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   else
     run(static_cast<const uint16_t*>(scale.untyped_data()),
         static_cast<const uint16_t*>(offset.untyped_data()));
+  if (rows < M)
+    for (int64_t i = 0; i < rows; ++i)
+      std::copy(yg.data() + i * N, yg.data() + (i + 1) * N, y->typed_data() + live[i] * N);
   return ffi::Error::Success();
 #endif
 }

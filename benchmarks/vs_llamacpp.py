@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -189,7 +190,6 @@ class _TokenCounts:
         self.out, self.counts = out, []
 
     def write(self, text: str) -> int:
-        import re
         self.counts += [int(n) for n in re.findall(r"^\[(\d+) tokens", text, re.M)]
         return self.out.write(text)
 

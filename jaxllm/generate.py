@@ -249,6 +249,12 @@ def step(params, cfg: ModelConfig, rule: SamplingConfig, cache: KVCache,
          ) -> tuple[Int[Array, " b"], KVCache]:
     """Write ``token`` into each row where ``active`` is 1 (rows at 0 are left as they are) and
     sample each row's next token."""
+    return _one_token(params, cfg, rule, cache, token, active, key)
+
+
+def _one_token(params, cfg: ModelConfig, rule: SamplingConfig, cache: KVCache, token, active,
+               key) -> tuple[Int[Array, " b"], KVCache]:
+    """:func:`step`'s work, also the body of :func:`steps`' loop."""
     logits, cache = apply(params, cfg, token[:, None], cache, active)
     return sample_logits(logits[:, 0], key, rule), cache
 
@@ -263,16 +269,16 @@ def steps(params, cfg: ModelConfig, rule: SamplingConfig, width: int, cache: KVC
     the tokens sampled (``[B, width]``, a row's first ``count`` valid; the last of them is not
     written yet, as after :func:`step`), ``count``, the cache and the key to go on with.
 
-    A host loop over :func:`step` pays each call's dispatch (some 700 arguments for a model's
-    layers) with the machine idle; this pays it once for ``n`` tokens (a chat's bursts)."""
+    A host loop over :func:`step` pays each call's dispatch with the machine idle; this pays it
+    once for ``n`` tokens (a chat's bursts; what it saves: docs/CPU.md, "A chat's answer")."""
     B = token.shape[0]
 
     def body(s):
         i, tok, out, count, done, key, cache = s
         p, i = loop_weights(params, i)  # else XLA widens W8/bf16 weights before the loop
         key, sub = jax.random.split(key)
-        logits, cache = apply(p, cfg, tok[:, None], cache, (~done).astype(jnp.int32))
-        new = jnp.where(done, tok, sample_logits(logits[:, 0], sub, rule))
+        new, cache = _one_token(p, cfg, rule, cache, tok, (~done).astype(jnp.int32), sub)
+        new = jnp.where(done, tok, new)
         out = jax.lax.dynamic_update_index_in_dim(out, new, i, 1)
         return i + 1, new, out, count + ~done, done | (new == eos), key, cache
 

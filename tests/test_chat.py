@@ -50,7 +50,6 @@ def test_turns_add_up_to_the_template(tiny):
     assert (fed + closing).startswith(tok.tok.apply_chat_template(history, tokenize=False))
 
 
-
 def test_warm_up_compiles_what_a_turn_runs(tiny):
     """Chat.warm_up (at a terminal, while the user types) compiles both programs of a turn in
     the background: the first send then compiles nothing, and answers as an unwarmed chat."""
@@ -76,6 +75,7 @@ def test_warm_up_compiles_what_a_turn_runs(tiny):
     assert compiled == [], compiled
     u = fresh()
     assert got == [u.send(q).answer for q in ("w1 w2 w3", "w9")]
+
 
 def _rss_mib() -> float:
     import ctypes
@@ -271,7 +271,6 @@ def test_chat_command_reads_stdin_and_answers_as_generate_does(tiny, tiny_dir, c
     assert printed.err.count(" tok/s") == len(QUESTIONS)
 
 
-
 def test_leaving_a_terminal_chat_at_once_exits_cleanly(tiny_dir):
     """Ctrl-D at the first prompt, while the programs compile in the background (Chat.warm_up):
     exit status 0, and no abort from tearing the compile down."""
@@ -299,6 +298,7 @@ def test_leaving_a_terminal_chat_at_once_exits_cleanly(tiny_dir):
     os.close(main_fd)
     assert ">>> " in seen and proc.returncode == 0, seen
     assert "terminate called" not in seen and "Traceback" not in seen, seen
+
 
 def test_chat_command_at_a_terminal(tiny_dir):
     """Driven through a pseudo-terminal: a prompt, answers streamed, /cache, /reset (the same

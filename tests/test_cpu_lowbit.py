@@ -86,7 +86,6 @@ def test_decode_rows_take_the_kernel_and_a_prefill_keeps_xla():
                                    atol=2e-5)
 
 
-
 @needs_kernel
 def test_the_cpu_backend_traces_no_pallas_kernel_and_lowers_elsewhere_to_xla():
     """backend="cpu" (what the CLI picks on a CPU-only machine): the C++ kernel in a CPU
@@ -104,6 +103,7 @@ def test_the_cpu_backend_traces_no_pallas_kernel_and_lowers_elsewhere_to_xla():
         assert cpu.LOWBIT_TARGET not in text and "custom_call" not in text, platform
     np.testing.assert_array_equal(np.asarray(jitted["cpu"](x, w)),
                                   np.asarray(jitted["auto"](x, w)))
+
 
 def np_round_blocks(x):
     """numpy's x rounded to 8 bits per 32 columns: d = max|x| / 127 (as float32 times 1/127),

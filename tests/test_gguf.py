@@ -92,6 +92,7 @@ def test_the_head_of_a_text_encodes_as_the_whole_text_does(real):
 
 # ---- small files written here -----------------------------------------------------------------
 
+
 def _permute(w, heads):  # llama.cpp's convert_hf_to_gguf permutation of q/k rows
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
         w.shape)
@@ -377,7 +378,6 @@ def test_gptq_beats_rtn_on_the_real_models_activations(real):
         assert e_gptq < 0.8 * e_rtn, (bits, e_gptq, e_rtn)
 
 
-
 def test_keep_quantized_never_fills_the_kept_tensors_as_floats(monkeypatch):
     """from_gguf(keep_quantized=True): each kept linear reaches the step that puts in its blocks
     as a zero-stride placeholder (never copied out as float32 zeros: SmolLM2's first
@@ -394,6 +394,7 @@ def test_keep_quantized_never_fills_the_kept_tensors_as_floats(monkeypatch):
     monkeypatch.setattr(jg, "_keep_quantized", spy)
     cfg, params = jg.from_gguf(_real_file(), keep_quantized=True)
     assert len(seen) == 7 * cfg.num_layers + 1  # every linear and the tied embedding
+
 
 def test_keep_quantized_reads_the_files_blocks(real):
     """--keep-quantized: every Q4_1 linear becomes a 4-bit node (the tied Q8_0 embedding an
@@ -452,7 +453,6 @@ def test_keep_quantized_reads_the_files_blocks(real):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-
 def test_keep_quantized_scores_as_the_float_load(real):
     """The file's blocks kept (4-bit linears, the 8-bit tied embedding and head), multiplied by
     the CPU kernel where it runs (chunks of 8 rows: decode's path) and by XLA's form elsewhere:
@@ -470,6 +470,7 @@ def test_keep_quantized_scores_as_the_float_load(real):
     assert abs(np.exp(nll_q.mean()) / np.exp(nll_f.mean()) - 1) < 1e-4
 
 # ---- the container, read by convert.gguf_file -------------------------------------------------
+
 
 def test_the_container_reads_as_the_gguf_package_reads_it(tmp_path):
     """Every metadata value (each scalar type, arrays of numbers, bools and strings) and every

@@ -122,6 +122,24 @@ def test_a_cancelled_request_frees_its_row():
     assert after.token_ids == fresh.token_ids  # the row was emptied for it
 
 
+def test_requests_arriving_together_wait_only_beyond_the_free_rows():
+    """Three clients at once on two idle rows, one allowed to wait: all three are taken before
+    the engine's next iteration (CI once refused the third with 429 while both rows were free);
+    a fourth is refused; once two rows answer, one more may wait."""
+    from jaxllm.serve.engine import QueueFull
+    engine = Engine(PARAMS, CFG, TOK, POLICY, slots=2, max_queue=1)
+    reqs = [Request(prompt=p, sampling=greedy(30), emit=lambda ev: None) for p in PROMPTS[:4]]
+    for r in reqs[:3]:
+        engine.submit(r)
+    with pytest.raises(QueueFull, match="1 requests are waiting for a row"):
+        engine.submit(reqs[3])
+    engine.iterate()  # two take the rows, one waits
+    assert engine.snapshot()["rows_busy"] == 2 and engine.snapshot()["queue"] == 1
+    with pytest.raises(QueueFull):
+        engine.submit(reqs[3])
+    assert engine.snapshot()["rejected"] == 2
+
+
 def test_a_seeded_draw_does_not_depend_on_the_other_rows():
     s = Sampling(temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=12)
     alone, = run(Engine(PARAMS, CFG, TOK, POLICY, slots=3), [Request(prompt="hello", sampling=s)])

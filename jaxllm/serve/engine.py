@@ -200,8 +200,8 @@ class QueueFull(Exception):
 
 class Engine:
     """A pool of ``slots`` streams through ``policy``'s cache (a policy that streams and keeps
-    a cache). ``submit`` queues a request (at most ``max_queue`` waiting, else QueueFull);
-    ``run`` serves until ``stop``."""
+    a cache). ``submit`` queues a request (at most ``max_queue`` waiting beyond the rows free
+    for them, else QueueFull); ``run`` serves until ``stop``."""
 
     def __init__(self, params, cfg: ModelConfig, tok, policy, slots: int = 8,
                  max_queue: int = 64, max_sessions: int = 256, session_ttl: float = 3600.0,
@@ -237,9 +237,12 @@ class Engine:
     # ---- the public side (any thread) -------------------------------------------------------
     def submit(self, r: Request) -> None:
         with self.lock:
-            if len(self.queue) >= self.max_queue:
+            # Only what no free row will take counts as waiting: requests that arrive together
+            # (or during an iteration) queue before the engine gives them their rows.
+            free = sum(r is None for r in self.rows)
+            if len(self.queue) - free >= self.max_queue:
                 self.stats["rejected"] += 1
-                raise QueueFull(f"{len(self.queue)} requests are waiting")
+                raise QueueFull(f"{len(self.queue) - free} requests are waiting for a row")
             self.queue.append(r)
             self.stats["requests"] += 1
             self.lock.notify()

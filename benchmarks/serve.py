@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _record import record  # noqa: E402
 
 import jaxllm  # noqa: E402
+from jaxllm.chat import BURST  # noqa: E402
 from jaxllm.serve import Engine, Request, Sampling  # noqa: E402
 
 QUESTIONS = ["Tell me about the ocean.", "What is a prime number?", "Describe a forest at dawn.",
@@ -202,6 +203,8 @@ def main():
     ap.add_argument("--cache", type=int, default=1024)
     ap.add_argument("--long", type=int, default=4096)
     ap.add_argument("--turns", type=int, default=100)
+    ap.add_argument("--burst", type=int, default=BURST,
+                    help=f"decode steps per call while no request waits (default {BURST})")
     ap.add_argument("--float", action="store_true", help="float32 weights (default: the "
                                                          "file's 4-bit blocks)")
     ap.add_argument("--parts", default="concurrency,long,soak",
@@ -212,12 +215,12 @@ def main():
     blocks = a.model == "smollm2" and not a.float
     cfg, params, tok = jaxllm.load_model(a.model, keep_quantized=blocks)
     engine = Engine(params, cfg, tok, jaxllm.StreamingLLM(4, a.cache), slots=a.slots,
-                    max_prompt=max(a.long, 4096))
+                    max_prompt=max(a.long, 4096), burst=a.burst)
     engine.warm_up()
     parts = a.parts.split(",")
     weights = "the file's 4-bit blocks (Q4_1, Q8_0 embedding)" if blocks else "float32"
     setup = (f"jaxllm.serve.Engine in one process, {a.slots} rows of StreamingLLM "
-             f"4+{a.cache - 4}, weights {weights}")
+             f"4+{a.cache - 4}, weights {weights}, bursts of {a.burst} decode steps a call")
     if "concurrency" in parts:
         lines = concurrency(engine, a)
         notes = [long_prompt(engine, a)] if "long" in parts else []
@@ -226,8 +229,9 @@ def main():
                f"{setup}; greedy chat answers of up to {a.tokens} tokens to different questions "
                f"submitted together (over {a.slots}: queued). 'decode tokens/s': over the time "
                f"in decode steps alone; 'between tokens': the gaps between a stream's pieces of "
-               f"text; 'same as alone': every answer's tokens equal the same request served by "
-               f"itself.\n\n" + "\n\n".join(notes), dry=a.no_record)
+               f"text (a burst's tokens come as one piece); 'same as alone': every answer's "
+               f"tokens equal the same request served by itself.\n\n" + "\n\n".join(notes),
+               dry=a.no_record)
     if "soak" in parts and a.turns and getattr(tok, "has_chat_template", False):
         note = soak(engine, a)
         record(f"Serving: a {a.turns}-turn session ({a.model})", note, f"{setup}.",

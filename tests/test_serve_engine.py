@@ -3,7 +3,8 @@ driven an iteration at a time: requests that share the pool get the tokens they 
 the tokens are the model's greedy continuation (checked on a fresh forward over the stream);
 a session's follow-up feeds only its new tokens and continues the stream exactly, also after
 its row went to host memory and came back; a cancelled request frees its row; a seeded draw
-does not depend on what else runs."""
+does not depend on what else runs; bursts of steps draw what single steps draw, and a stop
+string inside a burst leaves the burst's tokens in the session's stream."""
 from __future__ import annotations
 
 import jax
@@ -103,6 +104,45 @@ def test_a_session_feeds_only_its_new_turn_and_continues_the_stream():
         assert a2.prompt_tokens == len(TOK.encode(p2))  # the new turn only
         assert a2.restored == (slots == 1) and not a2.reencoded
         assert engine.snapshot()["sessions"] == 2
+
+
+def test_bursts_draw_what_single_steps_draw():
+    """The same requests at one step a call and at 4 (greedy and seeded draws, answers ending
+    at max_tokens that are not multiples of 4, more requests than rows): the same tokens."""
+    def reqs():
+        return [Request(prompt=p, sampling=Sampling(temperature=t, seed=3, max_tokens=n))
+                for p, t, n in zip(PROMPTS, (0.0, 0.8, 0.0, 1.0, 0.0), (5, 7, 9, 6, 11))]
+    one, four = Engine(PARAMS, CFG, TOK, POLICY, slots=3, burst=1), \
+        Engine(PARAMS, CFG, TOK, POLICY, slots=3, burst=4)
+    a, b = run(one, reqs()), run(four, reqs())
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
+    assert one.stats["decode_calls"] == one.stats["steps"]
+    assert four.stats["decode_calls"] < four.stats["steps"]  # some calls were bursts
+
+
+def test_a_stop_string_inside_a_burst_stays_in_the_sessions_stream():
+    """A completion session whose stop string comes in the middle of a burst: its text ends
+    before the stop string, its tokens run to the burst's end (the cache holds them all), and
+    its next turn continues that stream: the reference is generate's cache carried from turn
+    to turn with the first answer as long as the engine's."""
+    p1, p2 = "Once upon a time", " and then"
+    engine = Engine(PARAMS, CFG, TOK, POLICY, slots=2, burst=4)
+    plain, = run(Engine(PARAMS, CFG, TOK, POLICY, slots=2, burst=4),
+                 [Request(prompt=p1, sampling=greedy(12))])
+    stop = TOK.decode([plain.token_ids[2]])  # the second token of the first burst
+    assert stop.isprintable() and stop not in TOK.decode(plain.token_ids[:2])
+    a1, = run(engine, [Request(prompt=p1, sampling=greedy(12, stop=(stop,)), session="s")])
+    assert a1.finish_reason == "stop" and stop not in a1.text
+    assert a1.token_ids == plain.token_ids[:5]  # the feed's token and the burst's four
+    a2, = run(engine, [Request(prompt=p2, sampling=greedy(10), session="s")])
+    cache, want = POLICY.make_cache(CFG, 1, 0), []
+    for p, n in ((p1, 5), (p2, 10)):
+        res = jaxllm.generate(PARAMS, CFG, np.asarray([TOK.encode(p)], np.int32), cache,
+                              jaxllm.SamplingConfig(max_new_tokens=n, eos_id=TOK.eos_id))
+        want.append(np.asarray(res.tokens[0, :int(res.num_tokens[0])]).tolist())
+        cache = res.cache
+    assert [a1.token_ids, a2.token_ids] == want
 
 
 def test_a_cancelled_request_frees_its_row():

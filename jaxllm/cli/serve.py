@@ -6,6 +6,7 @@ import os
 import sys
 
 from ..argtypes import COUNT, integer
+from ..chat import BURST
 from ..policy import METHODS
 from .common import (DEFAULT_MODEL, MODEL_HELP, CliError, add_policy_args, add_weights_arg,
                      flag_names, load, policy)
@@ -37,6 +38,9 @@ def add_serve(sub) -> None:
                    help="the most tokens one answer may ask for")
     p.add_argument("--max-prompt", type=COUNT, default=32768,
                    help="the most tokens one request may feed")
+    p.add_argument("--burst", type=COUNT, default=BURST,
+                   help=f"decode steps per call while no request waits (default {BURST}; 1: a "
+                        f"call a token, the text streamed a token at a time, slower)")
     p.add_argument("--name", default=None, help="the model id clients name (default: --model)")
     add_policy_args(p, methods=[m for m, c in METHODS.items() if c.keeps_cache and c.streams],
                     chunk=False)
@@ -58,7 +62,7 @@ def cmd_serve(a) -> None:
     try:
         engine = Engine(params, cfg, tok, pc, slots=a.slots, max_queue=a.max_queue,
                         max_sessions=a.max_sessions, session_ttl=a.session_ttl,
-                        max_prompt=a.max_prompt)
+                        max_prompt=a.max_prompt, burst=a.burst)
     except ValueError as e:
         raise CliError(flag_names(e)) from None
     if a.host not in LOOPBACK and a.api_key is None:

@@ -207,7 +207,9 @@ def make_app(engine: Engine, model_id: str, api_key: Optional[str] = None,
                         ("errors", "requests refused by the engine"),
                         ("prompt_tokens", "prompt tokens fed"),
                         ("completion_tokens", "tokens generated"),
-                        ("steps", "decode steps"), ("sessions_saved", "rows saved to host"),
+                        ("steps", "decode steps"),
+                        ("decode_calls", "decode calls (a burst of steps each)"),
+                        ("sessions_saved", "rows saved to host"),
                         ("sessions_restored", "rows restored from host"),
                         ("sessions_expired", "sessions dropped")):
             put(f"{k}_total", "counter", m.get(k, 0), help)

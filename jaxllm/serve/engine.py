@@ -8,8 +8,9 @@ programs, each built once whatever comes and goes:
 
 * **feed** a chunk of ``CHUNK`` prompt tokens into one row: the row taken out of the pool,
   run at batch 1, put back (the cache donated), and a token sampled from its last one;
-* **step**: one token for every row, rows not decoding masked (their cache untouched), each
-  row sampled by its own rule (temperature, top-k, top-p, seed) on the device;
+* **steps**: a burst of tokens for every row answering (up to ``burst`` steps in one call, one
+  while a prompt is being fed or a request waits), rows not decoding masked (their cache
+  untouched), each row sampled by its own rule (temperature, top-k, top-p, seed) on the device;
 * **put**: a row replaced (an empty one for a new stream, a saved one for a session back).
 
 So requests join and leave between steps with nothing recompiled, and a long prompt goes in a
@@ -39,11 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ..chat import _Shown, turn_text
+from ..chat import BURST, _Shown, turn_text
 from ..config import ModelConfig
 from ..generate import greedy
 from ..model import apply
 from ..positions import with_sink
+from ..weight_only import loop_weights
 
 CHUNK = 64  # prompt tokens per feed: every prompt goes through one program
 
@@ -121,13 +123,37 @@ def feed_row(params, cfg: ModelConfig, cache, i: Int[Array, ""], tokens: Int[Arr
     return sample_rows(logits[:, 0], *rule)[0], _put(cache, i, row)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def step_rows(params, cfg: ModelConfig, cache, tokens: Int[Array, " b"],
-              active: Int[Array, " b"], rule: tuple):
-    """Every row where ``active`` is 1 writes its token and samples the next; the others are
-    left as they are."""
-    logits, cache = apply(params, cfg, tokens[:, None], cache, active)
-    return sample_rows(logits[:, 0], *rule), cache
+@functools.partial(jax.jit, static_argnames=("cfg", "width"), donate_argnames=("cache",))
+def steps_rows(params, cfg: ModelConfig, width: int, cache, tokens: Int[Array, " b"],
+               limit: Int[Array, " b"], n: Int[Array, ""], eos: Int[Array, ""], rule: tuple
+               ) -> tuple[Int[Array, "b w"], Int[Array, " b"], object]:
+    """Up to ``n`` (<= ``width``) decode steps in one program: each row with ``limit`` > 0
+    writes its token and samples the next, until it has sampled ``limit`` tokens or ``eos``;
+    then it is masked (its cache left as it is) for the rest of the burst, as are rows at 0.
+    Each row samples by its own rule, its k-th draw keyed by its token count + k, so a burst
+    draws what one step at a time would. Returns the tokens ([B, width], a row's first
+    ``count`` valid, the last of them not written yet), ``count`` and the cache.
+
+    One call a token pays its dispatch with the machine idle (docs/CPU.md, "A chat's
+    answer"); a burst pays it once."""
+    B = tokens.shape[0]
+    temp, top_k, top_p, seed, drawn = rule
+
+    def body(s):
+        i, tok, out, count, ended, cache = s
+        p, i = loop_weights(params, i)  # else XLA widens W8/bf16 weights before the loop
+        live = (count < limit) & ~ended
+        logits, cache = apply(p, cfg, tok[:, None], cache, live.astype(jnp.int32))
+        new = sample_rows(logits[:, 0], temp, top_k, top_p, seed, drawn + count)
+        new = jnp.where(live, new, tok)
+        out = jax.lax.dynamic_update_index_in_dim(out, new, i, 1)
+        return i + 1, new, out, count + live, ended | (live & (new == eos)), cache
+
+    init = (jnp.int32(0), tokens, jnp.zeros((B, width), jnp.int32), jnp.zeros((B,), jnp.int32),
+            jnp.zeros((B,), bool), cache)
+    _, _, out, count, _, cache = jax.lax.while_loop(
+        lambda s: (s[0] < jnp.minimum(n, width)) & jnp.any((s[3] < limit) & ~s[4]), body, init)
+    return out, count, cache
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -201,16 +227,19 @@ class QueueFull(Exception):
 class Engine:
     """A pool of ``slots`` streams through ``policy``'s cache (a policy that streams and keeps
     a cache). ``submit`` queues a request (at most ``max_queue`` waiting beyond the rows free
-    for them, else QueueFull); ``run`` serves until ``stop``."""
+    for them, else QueueFull); ``run`` serves until ``stop``. ``burst``: decode steps per call
+    while no one waits (1: a call a token)."""
 
     def __init__(self, params, cfg: ModelConfig, tok, policy, slots: int = 8,
                  max_queue: int = 64, max_sessions: int = 256, session_ttl: float = 3600.0,
-                 max_prompt: int = 1 << 16):
+                 max_prompt: int = 1 << 16, burst: int = BURST):
         if not (policy.keeps_cache and policy.streams):
             raise ValueError(f"serving needs a cache that streams (streaming, window, h2o, "
                              f"qhitter), not {policy.name}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if burst < 1:
+            raise ValueError(f"burst must be >= 1, got {burst}")
         if getattr(policy, "is_fraction", False):
             raise ValueError("eviction budgets must be counts when serving (a fraction of what? "
                              "each stream's length is open)")
@@ -219,6 +248,7 @@ class Engine:
             raise ValueError("the tokenizer names no end token: answers would never end")
         self.params, self.cfg, self.tok, self.policy = params, cfg, tok, policy
         self.slots, self.max_queue, self.max_prompt = slots, max_queue, max_prompt
+        self.burst = burst
         self.max_sessions, self.session_ttl = max_sessions, session_ttl
         self.cache = policy.make_cache(cfg, slots, 0)
         self.empty = policy.make_cache(cfg, 1, 0)
@@ -300,8 +330,7 @@ class Engine:
         _, self.cache = feed_row(self.params, self.cfg, self.cache, i,
                                  np.zeros((1, CHUNK), np.int32), np.zeros((1,), np.int32),
                                  self._rule([None]))
-        _, self.cache = step_rows(self.params, self.cfg, self.cache, self.tokens,
-                                  np.zeros(self.slots, np.int32), self._rule(self.rows))
+        self._steps(np.zeros(self.slots, np.int32), 1, self.rows)
         jax.device_get(get_row(self.cache, i))
         self.cache = put_row(self.cache, i, self.empty)
         jax.block_until_ready(self.cache)
@@ -444,31 +473,48 @@ class Engine:
         self.timing["prefill_seconds"] += time.perf_counter() - t0
 
     def _step(self) -> None:
+        """A burst for every row answering (one step while a prompt is being fed or a request
+        waits for a row, so that neither waits for the burst)."""
         t0 = time.perf_counter()
         live = [r if r is not None and r.fed >= len(r.ids) else None for r in self.rows]
-        active = np.asarray([r is not None for r in live], np.int32)
-        new, self.cache = step_rows(self.params, self.cfg, self.cache, self.tokens, active,
-                                    self._rule(live))
-        new = np.asarray(new)
-        self.stats["steps"] += 1
-        self.stats["decode_row_steps"] += int(active.sum())
+        # A row whose answer is over (a session's: its last token still to write) takes the
+        # one step that writes it; the others up to their max_tokens.
+        limit = np.asarray([0 if r is None else 1 if r.finish else
+                            r.sampling.max_tokens - len(r.out) for r in live], np.int32)
+        waiting = self.queue or any(r is not None and r.fed < len(r.ids) for r in self.rows)
+        new, count = self._steps(limit, 1 if waiting else self.burst, live)
+        self.stats["steps"] += int(count.max())
+        self.stats["decode_row_steps"] += int(count.sum())
         for i, r in enumerate(live):
-            if r is not None:
-                self._finishing(i, r)
-        for i, r in enumerate(live):
-            if r is not None and self.rows[i] is r:
-                self._take(i, r, int(new[i]))
+            if r is not None and r.finish:
+                self._finish(i, r.finish)
+            elif r is not None:
+                for t in new[i, :count[i]]:
+                    if self.rows[i] is not r:  # ended (without a session: at once)
+                        break
+                    self._take(i, r, int(t))
         self.timing["decode_seconds"] += time.perf_counter() - t0
+
+    def _steps(self, limit: np.ndarray, n: int, live: Sequence[Optional[Request]]):
+        new, count, self.cache = steps_rows(self.params, self.cfg, self.burst, self.cache,
+                                            self.tokens, limit, np.int32(n),
+                                            np.int32(self.tok.eos_id), self._rule(live))
+        self.stats["decode_calls"] += 1
+        return np.asarray(new), np.asarray(count)
 
     def _take(self, i: int, r: Request, t: int) -> None:
         """Token ``t`` sampled for row ``i``: shown (or held back while it may begin a stop
         string), and the answer's end noted. A session's last token is written by one more
-        step, so its cache holds the whole answer; a request without one ends at once."""
+        step, so its cache holds the whole answer; a request without one ends at once. A
+        session's tokens after a stop string in the same burst are in its cache too: kept in
+        ``out`` (the history the cache holds), not shown."""
         if not r.first:
             r.first = time.perf_counter()
         r.out.append(t)
         self.tokens[i] = t
         self.stats["completion_tokens"] += 1
+        if r.finish:
+            return
         if t == self.tok.eos_id:
             r.finish = "stop"
         else:
@@ -480,11 +526,6 @@ class Engine:
             elif len(r.out) >= r.sampling.max_tokens:
                 r.finish = "length"
         if r.finish and r.session is None:
-            self._finish(i, r.finish)
-
-    def _finishing(self, i: int, r: Request) -> None:
-        """After a step wrote row ``i``'s last token: the answer is over."""
-        if r.finish:
             self._finish(i, r.finish)
 
     def _finish(self, i: int, reason: str) -> None:

@@ -76,6 +76,35 @@ def test_config_errors():
                            num_kv_heads=1, intermediate_size=8)
 
 
+def test_a_load_reads_the_weights_a_batch_at_a_time(tmp_path, monkeypatch):
+    """The host copies of a safetensors model's tensors (Python buffers, which tracemalloc
+    counts) are read and put on the device a batch at a time: the load's traced peak stays
+    near one batch where reading the whole file first held all of it; sharded and int8
+    models load as they were saved."""
+    import tracemalloc
+
+    import jaxllm.io as io
+    cfg = dataclasses.replace(LLAMA, hidden_size=128, intermediate_size=512, num_layers=4,
+                              vocab_size=512)
+    params = jaxllm.init_params(cfg, jax.random.key(1))
+    total = sum(x.nbytes for x in jax.tree.leaves(params))  # 4 MiB
+    jaxllm.save_model(str(tmp_path / "m"), cfg, params)
+    jaxllm.save_model(str(tmp_path / "s"), cfg, params, shard_bytes=total // 3)
+    monkeypatch.setattr(io, "_PLACE_BATCH", total // 16, raising=False)
+    for name in ("m", "s"):
+        jaxllm.load_model(str(tmp_path / name))  # imports and shape tables made before
+        tracemalloc.start()
+        _, loaded, _ = jaxllm.load_model(str(tmp_path / name))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        jax.tree.map(np.testing.assert_array_equal, params, loaded)
+        assert peak < total / 2, (name, peak, total)
+    from jaxllm.smoothquant import quantize_params
+    q = quantize_params(params, cfg, "w8")
+    jaxllm.save_model(str(tmp_path / "q"), cfg, q)
+    jax.tree.map(np.testing.assert_array_equal, q, jaxllm.load_model(str(tmp_path / "q"))[1])
+
+
 def test_save_load_roundtrip(tmp_path, model):
     cfg, params = model
     jaxllm.save_model(str(tmp_path / "m"), cfg, params)

@@ -129,7 +129,8 @@ def steps_rows(params, cfg: ModelConfig, width: int, cache, tokens: Int[Array, "
                ) -> tuple[Int[Array, "b w"], Int[Array, " b"], object]:
     """Up to ``n`` (<= ``width``) decode steps in one program: each row with ``limit`` > 0
     writes its token and samples the next, until it has sampled ``limit`` tokens or ``eos``;
-    then it is masked (its cache left as it is) for the rest of the burst, as are rows at 0.
+    then it is masked (its cache left as it is) for the rest of the burst, as is a row whose
+    ``limit`` is 0.
     Each row samples by its own rule, its k-th draw keyed by its token count + k, so a burst
     draws what one step at a time would. Returns the tokens ([B, width], a row's first
     ``count`` valid, the last of them not written yet), ``count`` and the cache.
@@ -269,7 +270,7 @@ class Engine:
         with self.lock:
             # Only what no free row will take counts as waiting: requests that arrive together
             # (or during an iteration) queue before the engine gives them their rows.
-            free = sum(r is None for r in self.rows)
+            free = sum(row is None for row in self.rows)
             if len(self.queue) - free >= self.max_queue:
                 self.stats["rejected"] += 1
                 raise QueueFull(f"{len(self.queue) - free} requests are waiting for a row")
@@ -330,7 +331,9 @@ class Engine:
         _, self.cache = feed_row(self.params, self.cfg, self.cache, i,
                                  np.zeros((1, CHUNK), np.int32), np.zeros((1,), np.int32),
                                  self._rule([None]))
-        self._steps(np.zeros(self.slots, np.int32), 1, self.rows)
+        _, _, self.cache = steps_rows(self.params, self.cfg, self.burst, self.cache, self.tokens,
+                                      np.zeros(self.slots, np.int32), np.int32(1),
+                                      np.int32(self.tok.eos_id), self._rule(self.rows))
         jax.device_get(get_row(self.cache, i))
         self.cache = put_row(self.cache, i, self.empty)
         jax.block_until_ready(self.cache)

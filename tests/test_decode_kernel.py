@@ -205,3 +205,22 @@ def test_a_chats_bursts_lower_for_gpu_with_the_kernel():
     traced = steps.trace(params, cfg, SamplingConfig().rule, 4, cache, S((1,), jnp.int32),
                          S((), jnp.int32), S((), jnp.int32), jax.random.key(0))
     assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_a_servers_bursts_lower_for_gpu_with_the_kernel():
+    """The serving engine's decode call (jaxllm.serve.engine.steps_rows: a burst for every row
+    of the pool, each row sampled by its own rule) lowers for CUDA with the stored-format kernel
+    in its loop: Llama-2-7B shapes, 2 layers, 8 rows of a bfloat16 4 + 4092 cache."""
+    from jaxllm.serve.engine import steps_rows
+    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2,
+                              kernels=Kernels(attention="pallas"))
+    S = jax.ShapeDtypeStruct
+    params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
+    params = jax.tree.map(lambda a: S(a.shape, jnp.bfloat16), params)
+    cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, 8, sinks=4, window=4092,
+                                                     dtype=jnp.bfloat16))
+    rows = S((8,), jnp.int32)
+    rule = (S((8,), jnp.float32), rows, S((8,), jnp.float32), rows, rows)
+    traced = steps_rows.trace(params, cfg, 4, cache, rows, rows, S((), jnp.int32),
+                              S((), jnp.int32), rule)
+    assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()

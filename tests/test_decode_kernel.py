@@ -191,17 +191,24 @@ def test_decode_step_lowers_for_gpu_with_the_kernel(kv, monkeypatch):
     assert "__gpu$xla.gpu.triton" in text  # (one call: the layers are a scan)
 
 
+def _llama7b_shapes(batch: int):
+    """Llama-2-7B's shapes with 2 layers and the Pallas decode kernel: (cfg, bfloat16 params,
+    a bfloat16 4 + 4092 cache of ``batch`` rows), all abstract."""
+    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2,
+                              kernels=Kernels(attention="pallas"))
+    params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
+    cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, batch, sinks=4, window=4092,
+                                                     dtype=jnp.bfloat16))
+    return cfg, params, cache
+
+
 def test_a_chats_bursts_lower_for_gpu_with_the_kernel():
     """generate.steps (a chat's answer, a burst a call) lowers for CUDA with the stored-format
     kernel in its loop: Llama-2-7B shapes, 2 layers, a bfloat16 4 + 4092 cache."""
     from jaxllm.generate import SamplingConfig, steps
-    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2,
-                              kernels=Kernels(attention="pallas"))
+    cfg, params, cache = _llama7b_shapes(1)
     S = jax.ShapeDtypeStruct
-    params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
-    params = jax.tree.map(lambda a: S(a.shape, jnp.bfloat16), params)
-    cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, 1, sinks=4, window=4092,
-                                                     dtype=jnp.bfloat16))
     traced = steps.trace(params, cfg, SamplingConfig().rule, 4, cache, S((1,), jnp.int32),
                          S((), jnp.int32), S((), jnp.int32), jax.random.key(0))
     assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -212,13 +219,8 @@ def test_a_servers_bursts_lower_for_gpu_with_the_kernel():
     of the pool, each row sampled by its own rule) lowers for CUDA with the stored-format kernel
     in its loop: Llama-2-7B shapes, 2 layers, 8 rows of a bfloat16 4 + 4092 cache."""
     from jaxllm.serve.engine import steps_rows
-    cfg = dataclasses.replace(jaxllm.PRESETS["llama2-7b"], num_layers=2,
-                              kernels=Kernels(attention="pallas"))
+    cfg, params, cache = _llama7b_shapes(8)
     S = jax.ShapeDtypeStruct
-    params = jax.eval_shape(lambda k: jaxllm.init_params(cfg, k), jax.random.key(0))
-    params = jax.tree.map(lambda a: S(a.shape, jnp.bfloat16), params)
-    cache = jax.eval_shape(lambda: jaxllm.init_cache(cfg, 8, sinks=4, window=4092,
-                                                     dtype=jnp.bfloat16))
     rows = S((8,), jnp.int32)
     rule = (S((8,), jnp.float32), rows, S((8,), jnp.float32), rows, rows)
     traced = steps_rows.trace(params, cfg, 4, cache, rows, rows, S((), jnp.int32),

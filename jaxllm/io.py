@@ -237,10 +237,7 @@ def _read_placed(flat: dict, sharding) -> dict:
                     batch.update({n: h.get_tensor(n) for n in names if flat[n].file == f})
             except SafetensorError as err:
                 raise ValueError(f"{f}: its tensors cannot be read ({err})") from None
-        if per is not None:
-            out.update({k: jax.device_put(v, per[k]) for k, v in batch.items()})
-        else:
-            out.update(_place(batch, sharding))
+        out.update(_place(batch, sharding if per is None else {k: per[k] for k in batch}))
         names.clear()
 
     for name, e in flat.items():

@@ -7,9 +7,10 @@ Only the text each turn adds is encoded and fed: the template rendered for the c
 far is a prefix of the one rendered with the next message, so the turn's prompt is the
 difference, after what the template writes behind an answer's end token.
 
-The host drives generation one token at a time (jaxllm.generate.feed / step: two programs, each
-compiled once whatever the turns' lengths), so each token can be shown as it comes and an answer
-can stop at a stop string.
+The host drives generation (jaxllm.generate.feed_by_layer for a turn's prompt, a fixed-size chunk
+at a time through one layer's program; jaxllm.generate.steps for the answer, a burst of tokens a
+call: each compiled once whatever the turns' lengths), so each piece of text can be shown as it
+comes and an answer can stop at a stop string.
 """
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ class Chat:
     ``send(message)`` feeds the new turn, generates the answer as ``sampling`` picks it
     (``max_new_tokens`` a turn; the end token and ``stop`` strings end it earlier) and returns a
     :class:`Round`; ``on_text(piece)`` receives the answer's text as it is generated. ``chunk``:
-    prompt tokens per feed call (one compiled program of that width; a larger one feeds long
+    prompt tokens per feed call (compiled programs of that width; a larger one feeds long
     prompts faster and short turns slower, see :data:`CHUNK`). ``burst``: answer tokens
     generated per call, the text shown a burst at a time (1: each token as it comes, slower;
     see :data:`BURST`).
@@ -178,14 +179,14 @@ class Chat:
         for it. At a terminal the chat does this while the user types the first question, so
         the first answer comes as soon as the later ones (docs/CPU.md, "One block traced for every
         layer")."""
-        from .generate import feed, steps
+        from .generate import feed_by_layer, steps
         from .progress import QUIET_THREAD
 
         def run():
             try:
                 _, key = jax.random.split(self.key)  # and the small programs send runs
                 rule, one = self.sampling.rule, np.ones((1,), np.int32)
-                token, cache = feed(self.params, self.cfg, rule, self._empty_cache(),
+                token, cache = feed_by_layer(self.params, self.cfg, rule, self._empty_cache(),
                                     np.zeros((1, self.chunk), np.int32), one, key)
                 int(token[0])
                 jax.block_until_ready(steps(self.params, self.cfg, rule, self.burst, cache,
@@ -218,7 +219,7 @@ class Chat:
         return int(np.max(np.asarray(self.cache.length)))
 
     def send(self, message: str, on_text: Optional[Callable[[str], None]] = None) -> Round:
-        from .generate import feed, steps
+        from .generate import feed_by_layer, steps
         from .kv.cache import kv_bytes
         from .positions import with_sink
         from .progress import watch_compiles
@@ -240,8 +241,8 @@ class Chat:
                 chunk = np.zeros((1, self.chunk), np.int32)
                 chunk[0, :len(part)] = part
                 self.key, sub = jax.random.split(self.key)
-                token, self.cache = feed(self.params, self.cfg, sc.rule, self.cache, chunk,
-                                         np.asarray([len(part)], np.int32), sub)
+                token, self.cache = feed_by_layer(self.params, self.cfg, sc.rule, self.cache,
+                                                  chunk, np.asarray([len(part)], np.int32), sub)
             self.fed = True
             t1, c1 = time.perf_counter(), compiling[0]
             out: list[int] = []

@@ -194,15 +194,37 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens, cache: Optional[kvc.KVCache], lay: Optional[kvc.ChunkLayout],
                  positions: Optional[Int[Array, "b t"]] = None,
-                 rows: Optional[Int[Array, "b k"]] = None, hidden: bool = False):
+                 rows: Optional[Int[Array, "b k"]] = None, hidden: bool = False,
+                 part: str = "whole"):
         """-> (logits [B, T, V] float32, or [B, K, V] at the positions ``rows`` [B, K] only,
         or with ``hidden`` the head's input [B, T, D] (:func:`head_logits` makes the logits);
-        the new per-layer (keys, values, scores))."""
+        the new per-layer (keys, values, scores)).
+
+        ``part`` (a chunk through a cache one program per part, :func:`layer_part`): "embed"
+        returns the first block's input [B, T, D] alone; "head" takes the last block's output
+        as ``tokens`` and returns the logits alone."""
         cfg = self.cfg
-        B, T = tokens.shape
         dt = _dtype(cfg)
         k8 = cfg.kernels.int8
         embed = Embed(cfg.embed_rows, cfg.embedding_dim, cfg.init_std, k8, name="embed")
+
+        def head(x):
+            if rows is not None:  # the head only where logits are wanted ([B, T, V] is large)
+                x = jnp.take_along_axis(x, rows[:, :, None], axis=1)
+            if cfg.final_norm:
+                x = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_final")(x)
+            if cfg.embedding_dim != cfg.hidden_size:
+                x = Linear(cfg.embedding_dim, False, cfg.init_std, dt, k8, name="project_out")(x)
+            if hidden:
+                return x
+            if cfg.tie_embeddings:
+                return embed.attend(x.astype(jnp.float32), cfg.vocab_size).astype(jnp.float32)
+            return Linear(cfg.vocab_size, False, cfg.init_std, dt, k8,
+                          name="lm_head")(x).astype(jnp.float32)
+
+        if part == "head":
+            return head(tokens)
+        B, T = tokens.shape
         x = embed(tokens).astype(dt)
         if cfg.embedding_dim != cfg.hidden_size:  # OPT: embeddings narrower than the model
             x = Linear(cfg.hidden_size, False, cfg.init_std, dt, k8, name="project_in")(x)
@@ -219,14 +241,9 @@ class Transformer(nn.Module):
             # computes from zeros: its results are never read, and zero rows cost the CPU's
             # low-bit products nothing (pallas_kernels/csrc/lowbit_rows.cc).
             x = jnp.where((lens > 0)[:, None, None], x, jnp.zeros((), x.dtype))
-        # RoPE frequencies, positions, tables and masks once per forward, shared by all layers;
-        # only dynamic NTK scaling depends on the length.
-        seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.seen_length
-        if positions is not None:  # explicit positions: the sequence reaches the largest + 1
-            seq_len = jnp.max(positions, axis=1).astype(jnp.int32) + 1
-        freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
-        plan = plain.plan(cfg, B, T, freq, positions) if cache is None else \
-            cache.kind.plan(cfg, lay, B, T, freq)
+        if part == "embed":
+            return x
+        plan = chunk_plan(cfg, cache, lay, B, T, positions)
         new_k, new_v, new_s = [], [], []
         # The first block's input, collected only when "block_inputs" is mutable (GPTQ's
         # block-by-block calibration, block_apply).
@@ -256,19 +273,20 @@ class Transformer(nn.Module):
                 new_k.append(nc[0])
                 new_v.append(nc[1])
                 new_s.extend(nc[2:])
-        if rows is not None:  # the head only where logits are wanted ([B, T, V] is large)
-            x = jnp.take_along_axis(x, rows[:, :, None], axis=1)
-        if cfg.final_norm:
-            x = Norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="ln_final")(x)
-        if cfg.embedding_dim != cfg.hidden_size:
-            x = Linear(cfg.embedding_dim, False, cfg.init_std, dt, k8, name="project_out")(x)
-        if hidden:
-            return x, (tuple(new_k), tuple(new_v), tuple(new_s))
-        if cfg.tie_embeddings:
-            logits = embed.attend(x.astype(jnp.float32), cfg.vocab_size)
-        else:
-            logits = Linear(cfg.vocab_size, False, cfg.init_std, dt, k8, name="lm_head")(x)
-        return logits.astype(jnp.float32), (tuple(new_k), tuple(new_v), tuple(new_s))
+        return head(x), (tuple(new_k), tuple(new_v), tuple(new_s))
+
+
+def chunk_plan(cfg: ModelConfig, cache: Optional[kvc.KVCache], lay, B: int, T: int,
+               positions=None) -> attention.Plan:
+    """The attention plan every layer of a forward runs: RoPE's frequencies, positions, tables
+    and masks, made once (only dynamic NTK scaling depends on the length)."""
+    seq_len = jnp.full((B,), T, jnp.int32) if lay is None else lay.seen_length
+    if positions is not None:  # explicit positions: the sequence reaches the largest + 1
+        seq_len = jnp.max(positions, axis=1).astype(jnp.int32) + 1
+    freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, seq_len)
+    if cache is None:
+        return plain.plan(cfg, B, T, freq, positions)
+    return cache.kind.plan(cfg, lay, B, T, freq)
 
 
 class _Static:
@@ -293,13 +311,26 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def split_static(tree) -> tuple[list, tuple]:
+    """``tree``'s arrays, and the rest (its structure and its Python values: a plan's sink
+    counts and flags) as one hashable value, so that the tree can cross a jit boundary with
+    the rest static (:func:`join_static` puts it together again)."""
+    leaves, tdef = jax.tree.flatten(tree, is_leaf=lambda v: v is None)
+    return ([v for v in leaves if _is_array(v)],
+            (tdef, _Static([_ARRAY if _is_array(v) else v for v in leaves])))
+
+
+def join_static(static: tuple, arrays) -> object:
+    tdef, rest = static
+    it = iter(arrays)
+    return jax.tree.unflatten(tdef, [next(it) if v is _ARRAY else v for v in rest.leaves])
+
+
 def _block_call(block_jit, cfg: ModelConfig, layer_params, x, layer_cache, plan):
     """One block applied through ``block_jit`` (:func:`_block_jit`); the Python values inside
     the cache and the plan (sink counts, flags) stay static, as they are in the unrolled form."""
-    leaves, tdef = jax.tree.flatten((layer_cache, plan), is_leaf=lambda v: v is None)
-    arrays = [v for v in leaves if _is_array(v)]
-    static = _Static([_ARRAY if _is_array(v) else v for v in leaves])
-    return block_jit(cfg, tdef, static, layer_params, x, arrays)
+    arrays, static = split_static((layer_cache, plan))
+    return block_jit(cfg, static, layer_params, x, arrays)
 
 
 def _block_jit(remat: bool = False):
@@ -307,14 +338,12 @@ def _block_jit(remat: bool = False):
     next forward traces afresh, so whatever a block reads while traced (a size a test sets)
     is read again for every program, as unrolled. ``remat``: a gradient keeps only each
     block's inputs and recomputes the rest (:func:`_recomputed`)."""
-    def block(cfg, tdef, static, layer_params, x, arrays):
-        it = iter(arrays)
-        leaves = [next(it) if v is _ARRAY else v for v in static.leaves]
-        layer_cache, plan = jax.tree.unflatten(tdef, leaves)
+    def block(cfg, static, layer_params, x, arrays):
+        layer_cache, plan = join_static(static, arrays)
         return Block(cfg).apply({"params": layer_params}, x, layer_cache, plan)
     if remat:
         block = _recomputed(block)
-    return jax.jit(block, static_argnums=(0, 1, 2))
+    return jax.jit(block, static_argnums=(0, 1))
 
 
 def _recomputed(block):
@@ -323,9 +352,9 @@ def _recomputed(block):
     cotangent (``after``), so it runs in the backward pass and XLA cannot merge it with the
     forward's equal values (jax.checkpoint's optimization barriers do not hold on XLA:CPU:
     docs/CPU.md, "Peak memory")."""
-    def run(cfg, tdef, static, layer_params, x, arrays):
+    def run(cfg, static, layer_params, x, arrays):
         def f(p, x, a):
-            return block(cfg, tdef, static, p, x, a)
+            return block(cfg, static, p, x, a)
 
         @jax.custom_vjp
         def g(p, x, a):
@@ -400,9 +429,7 @@ def block_apply(layer_params, cfg: ModelConfig, x: Float[Array, "b t d"], mutabl
     """One block of a plain causal forward on its input x (positions 0..T-1): the output, or
     ``(output, collections)`` with ``mutable`` (e.g. ``["inputs"]``: each linear's input)."""
     B, T = x.shape[:2]
-    freq = inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling,
-                    jnp.full((B,), T, jnp.int32))
-    plan = plain.plan(cfg, B, T, freq)
+    plan = chunk_plan(cfg, None, None, B, T)
     if not mutable:
         return Block(cfg).apply({"params": layer_params}, x, None, plan)[0]
     (y, _), state = Block(cfg).apply({"params": layer_params}, x, None, plan,
@@ -489,6 +516,53 @@ def _forward_chunk(params, cfg: ModelConfig, tokens, cache, lens, last_only: boo
     logits, (ks, vs, state) = Transformer(cfg).apply({"params": params}, tokens, cache, lay,
                                                      None, rows)
     return cache.kind.advance(cache, lay, logits, ks, vs, state)
+
+
+# ---- a chunk through the cache in parts: the embedding, each layer, the head -----------------
+# What _forward_chunk computes, as separate traceable parts that a caller jits one by one (the
+# chat's prompt, jaxllm.generate.feed_by_layer): one layer's program run for every layer instead
+# of one program holding every layer. A loaded XLA:CPU program keeps its HLO, ~3.5 KiB an
+# instruction, so this keeps one layer's (docs/CPU.md, "Peak memory"). The embedding's part
+# also makes the chunk's attention plan, which every layer's part takes (split_static); the
+# cache's counters stay as they were until the head's part advances them.
+
+def embed_part(params, cfg: ModelConfig, tokens: Int[Array, "b t"], cache: kvc.KVCache,
+               lens: Int[Array, " b"]) -> tuple[Float[Array, "b t d"], attention.Plan]:
+    """The first block's input for ``tokens`` fed into ``cache``, and the layers' plan (the
+    cache's keys and values are only looked at for their shapes: any one layer's serve)."""
+    lay = cache.kind.layout(cache, lens, tokens.shape[1])
+    x = Transformer(cfg).apply({"params": params}, tokens, cache, lay, part="embed")
+    return x, cache_plan(cfg, cache, lens, tokens.shape[1])
+
+
+def cache_plan(cfg: ModelConfig, cache: kvc.KVCache, lens: Int[Array, " b"],
+               T: int) -> attention.Plan:
+    """The plan of a chunk of ``T`` tokens (``lens`` valid) through ``cache``."""
+    return chunk_plan(cfg, cache, cache.kind.layout(cache, lens, T), cache.batch, T)
+
+
+def layer_view(cache: kvc.KVCache, layer: int) -> kvc.KVCache:
+    """``cache`` with one layer's keys, values and state."""
+    return cache.replace(k=(cache.k[layer],), v=(cache.v[layer],),
+                         state=cache.state[layer:layer + 1])
+
+
+def layer_part(layer_params, cfg: ModelConfig, x: Float[Array, "b t d"], layer_cache: tuple,
+               plan: attention.Plan) -> tuple[Float[Array, "b t d"], tuple]:
+    """One block on the chunk: its output and the layer's new (keys, values) + state, from
+    the layer's (keys, values) + state before the chunk."""
+    return Block(cfg).apply({"params": layer_params}, x, layer_cache, plan)
+
+
+def head_part(params, cfg: ModelConfig, x: Float[Array, "b t d"], cache: kvc.KVCache,
+              lens: Int[Array, " b"], last_only: bool = False):
+    """The logits and the cache after the chunk, from the last block's output ``x`` and
+    ``cache`` holding every layer's new keys, values and state (its counters still those
+    before the chunk): as :func:`apply` returns them."""
+    rows = jnp.maximum(lens - 1, 0)[:, None] if last_only else None
+    lay = cache.kind.layout(cache, lens, x.shape[1])
+    logits = Transformer(cfg).apply({"params": params}, x, cache, lay, None, rows, part="head")
+    return cache.kind.advance(cache, lay, logits, cache.k, cache.v, cache.state)
 
 
 _forward_jit = jax.jit(apply, static_argnames=("cfg",))

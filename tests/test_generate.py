@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import jaxllm
 from jaxllm.kv.cache import Bf16Bits
 from jaxllm.generate import greedy, sample_logits
+from jaxllm.kv.evict import Evict
 
 PARAMS = jaxllm.init_params(LLAMA, jax.random.key(0))
 
@@ -56,6 +57,37 @@ def test_steps_are_calls_of_step_stopping_at_eos():
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxllm.init_cache(LLAMA, 3, sinks=2, window=6),  # StreamingLLM, keys rotated
+    lambda: jaxllm.init_cache(LLAMA, 3, sinks=0, window=40, ring=False),  # dense
+    lambda: jaxllm.init_cache(LLAMA, 3, sinks=2, window=6, dtype=jnp.bfloat16),
+    lambda: jaxllm.init_cache(LLAMA, 3, sinks=2, window=16,
+                              kv_quant=jaxllm.KVQuant("token", bits=4, group=8)),
+    lambda: jaxllm.init_cache(LLAMA, 3, sinks=2, window=16,
+                              kv_quant=jaxllm.KVQuant("kivi", bits=4, group=8, residual=8)),
+    lambda: jaxllm.init_cache(LLAMA, 3, sinks=1, evict_by=Evict("h2o", 3, 2)),
+], ids=["ring", "dense", "bf16", "kbit", "kivi", "h2o"])
+def test_feed_by_layer_is_feed(make):
+    """A chunk through one program per layer (the chat's prompt) against feed's one program:
+    the same sampled tokens and the same cache, chunk after chunk (the ring wraps), with a row
+    whose chunk is padding only (lens 0: left alone) and one fed fewer tokens than the width."""
+    from jaxllm.generate import feed, feed_by_layer
+    rule = jaxllm.SamplingConfig(temperature=0.8).rule
+    rng = np.random.default_rng(0)
+    a, b = make(), make()
+    for step, lens in enumerate(([4, 0, 3], [4, 4, 1], [2, 4, 4])):
+        tokens = rng.integers(1, LLAMA.vocab_size, (3, 4)).astype(np.int32)
+        key = jax.random.key(step)
+        lens = np.asarray(lens, np.int32)
+        ta, a = feed(PARAMS, LLAMA, rule, a, tokens, lens, key)
+        tb, b = feed_by_layer(PARAMS, LLAMA, rule, b, tokens, lens, key)
+        assert list(np.asarray(ta)) == list(np.asarray(tb))
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_matches_hand_loop_with_padding_and_wraparound():

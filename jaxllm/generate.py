@@ -12,8 +12,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .kv.cache import KVCache, available_bytes
 from .config import INT32_MAX, ModelConfig
-from .model import (apply, cache_plan, check_chunk, embed_part, forward, head_part,
-                    join_static, layer_part, layer_view, split_static)
+from .model import apply, apply_by_layer, check_chunk, forward
 from .positions import with_sink
 from .weight_only import loop_weights
 
@@ -247,62 +246,16 @@ def feed(params, cfg: ModelConfig, rule: SamplingConfig, cache: KVCache,
 def feed_by_layer(params, cfg: ModelConfig, rule: SamplingConfig, cache: KVCache,
                   tokens: Int[Array, "b t"], lens: Int[Array, " b"], key: jax.Array
                   ) -> tuple[Int[Array, " b"], KVCache]:
-    """:func:`feed`'s result from one program per part, run from the host: the embedding (and
-    the chunk's attention plan), one layer's program called for each layer in turn, and the
-    head with the sampling. Its programs hold one layer where :func:`feed`'s holds them all,
-    which is what a loaded XLA:CPU program keeps in memory (docs/CPU.md, "A chat turn's
-    prompt"); the cost is a call a layer. Parameters with the blocks stacked, and a chunk a
-    kind would feed in blocks, go to :func:`feed`. The cache is donated, as to :func:`feed`."""
-    T = tokens.shape[1]
-    blk = cache.kind.prefill_block(cache.batch)
-    if "layers" in params or (blk is not None and T > blk):
-        return feed(params, cfg, rule, cache, tokens, lens, key)
-    ends = {k: v for k, v in params.items() if not k.startswith("layer_")}
-    view = layer_view(cache, 0)
-    static = _plan_static(cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                            (view, lens)), T)
-    x, plan = _embed(ends, cfg, tokens, view, lens)
-    layers = []
-    for i in range(cfg.num_layers):
-        layer_cache = (cache.k[i], cache.v[i]) + cache.state[i:i + 1]
-        x, new = _layer(params[f"layer_{i}"], cfg, static, x, layer_cache, plan)
-        layers.append(new)
-    cache = cache.replace(k=tuple(n[0] for n in layers), v=tuple(n[1] for n in layers),
-                          state=tuple(s for n in layers for s in n[2:]))
-    return _feed_head(ends, cfg, rule, x, cache, lens, key)
+    """:func:`feed`'s result through :func:`jaxllm.model.apply_by_layer`: one layer's program
+    called for each layer instead of one program holding them all (less memory while a chat
+    runs, a call more a layer). The cache is donated, as to :func:`feed`."""
+    logits, cache = apply_by_layer(params, cfg, tokens, cache, lens, last_only=True)
+    return _sample_first(logits, key, rule), cache
 
 
-@functools.lru_cache(maxsize=64)
-def _plan_static(cfg: ModelConfig, abstract: tuple, T: int) -> tuple:
-    """The static part (model.split_static) of the plan whose arrays :func:`_embed` returns,
-    for ``abstract``: (the layer's view, lens) as shapes and dtypes."""
-    out = []
-
-    def plan(view, lens):
-        arrays, static = split_static(cache_plan(cfg, view, lens, T))
-        out.append(static)
-        return arrays
-    jax.eval_shape(plan, *abstract)
-    return out[0]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _embed(params, cfg: ModelConfig, tokens, view: KVCache, lens):
-    x, plan = embed_part(params, cfg, tokens, view, lens)
-    return x, split_static(plan)[0]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "static"), donate_argnames=("layer_cache",))
-def _layer(layer_params, cfg: ModelConfig, static: tuple, x, layer_cache: tuple, plan: list):
-    """One layer of :func:`feed_by_layer`, its keys, values and state donated (the layer's
-    write is in place)."""
-    return layer_part(layer_params, cfg, x, layer_cache, join_static(static, plan))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "rule"), donate_argnames=("cache",))
-def _feed_head(params, cfg: ModelConfig, rule: SamplingConfig, x, cache: KVCache, lens, key):
-    logits, cache = head_part(params, cfg, x, cache, lens, last_only=True)  # [B, 1, V]
-    return sample_logits(logits[:, 0], key, rule), cache
+@functools.partial(jax.jit, static_argnames=("rule",))
+def _sample_first(logits: Float[Array, "b 1 v"], key, rule: SamplingConfig):
+    return sample_logits(logits[:, 0], key, rule)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rule"), donate_argnames=("cache",))

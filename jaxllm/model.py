@@ -1,6 +1,7 @@
 """The transformer: Flax modules that take the KV cache as an argument and return the new one."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -563,6 +564,71 @@ def head_part(params, cfg: ModelConfig, x: Float[Array, "b t d"], cache: kvc.KVC
     lay = cache.kind.layout(cache, lens, x.shape[1])
     logits = Transformer(cfg).apply({"params": params}, x, cache, lay, None, rows, part="head")
     return cache.kind.advance(cache, lay, logits, cache.k, cache.v, cache.state)
+
+
+def apply_by_layer(params, cfg: ModelConfig, tokens: Int[Array, "b t"], cache: kvc.KVCache,
+                   lens: Int[Array, " b"], last_only: bool = False):
+    """:func:`apply`'s ``(logits, cache)`` for a chunk through ``cache``, from one program per
+    part, run from the host: the embedding (and the chunk's attention plan), one layer's
+    program called for each layer in turn, and the head. Its programs hold one layer where a
+    program around :func:`apply` holds them all, which is what a loaded XLA:CPU program keeps
+    in memory (docs/CPU.md, "A layer at a time"); the cost is a call a layer. Not for use
+    inside a jit. The cache is donated (use the one returned). Parameters with the blocks
+    stacked, and a chunk that the kind would feed in blocks, go through :func:`apply` in one
+    program."""
+    T = tokens.shape[1]
+    blk = cache.kind.prefill_block(cache.batch)
+    if "layers" in params or (blk is not None and T > blk):
+        return _apply_donating(params, cfg, tokens, cache, lens, last_only)
+    ends = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    view = layer_view(cache, 0)
+    static = _plan_static(cfg, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                            (view, lens)), T)
+    x, plan = _embed_jit(ends, cfg, tokens, view, lens)
+    layers = []
+    for i in range(cfg.num_layers):
+        layer_cache = (cache.k[i], cache.v[i]) + cache.state[i:i + 1]
+        x, new = _layer_jit(params[f"layer_{i}"], cfg, static, x, layer_cache, plan)
+        layers.append(new)
+    cache = cache.replace(k=tuple(n[0] for n in layers), v=tuple(n[1] for n in layers),
+                          state=tuple(s for n in layers for s in n[2:]))
+    return _head_jit(ends, cfg, x, cache, lens, last_only)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_static(cfg: ModelConfig, abstract: tuple, T: int) -> tuple:
+    """The static part (split_static) of the plan whose arrays :func:`_embed_jit` returns, for
+    ``abstract``: (a layer's view, lens) as shapes and dtypes."""
+    out = []
+
+    def plan(view, lens):
+        arrays, static = split_static(cache_plan(cfg, view, lens, T))
+        out.append(static)
+        return arrays
+    jax.eval_shape(plan, *abstract)
+    return out[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _embed_jit(params, cfg: ModelConfig, tokens, view: kvc.KVCache, lens):
+    x, plan = embed_part(params, cfg, tokens, view, lens)
+    return x, split_static(plan)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "static"), donate_argnames=("layer_cache",))
+def _layer_jit(layer_params, cfg: ModelConfig, static: tuple, x, layer_cache: tuple, plan: list):
+    # The layer's keys, values and state donated: its write is in place.
+    return layer_part(layer_params, cfg, x, layer_cache, join_static(static, plan))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "last_only"), donate_argnames=("cache",))
+def _head_jit(params, cfg: ModelConfig, x, cache: kvc.KVCache, lens, last_only: bool):
+    return head_part(params, cfg, x, cache, lens, last_only)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "last_only"), donate_argnames=("cache",))
+def _apply_donating(params, cfg: ModelConfig, tokens, cache, lens, last_only: bool):
+    return apply(params, cfg, tokens, cache, lens, last_only=last_only)
 
 
 _forward_jit = jax.jit(apply, static_argnames=("cfg",))

@@ -7,7 +7,8 @@ KV-quantized, H2O / Q-Hitter), each row its own stream with its own positions. T
 programs, each built once whatever comes and goes:
 
 * **feed** a chunk of ``CHUNK`` prompt tokens into one row: the row taken out of the pool,
-  run at batch 1, put back (the cache donated), and a token sampled from its last one;
+  run at batch 1 one layer's program at a time (jaxllm.model.apply_by_layer), put back (the
+  cache donated), and a token sampled from its last one;
 * **steps**: a burst of tokens for every row answering (up to ``burst`` steps in one call, one
   while a prompt is being fed or a request waits), rows not decoding masked (their cache
   untouched), each row sampled by its own rule (temperature, top-k, top-p, seed) on the device;
@@ -43,7 +44,7 @@ from jaxtyping import Array, Float, Int
 from ..chat import BURST, _Shown, turn_text
 from ..config import ModelConfig
 from ..generate import greedy
-from ..model import apply
+from ..model import apply, apply_by_layer
 from ..positions import with_sink
 from ..weight_only import loop_weights
 
@@ -115,14 +116,6 @@ def _put(cache, i, row):
                                                                           i, 0), cache, row)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def feed_row(params, cfg: ModelConfig, cache, i: Int[Array, ""], tokens: Int[Array, "1 t"],
-             lens: Int[Array, " 1"], rule: tuple):
-    """Row ``i`` takes a chunk of tokens (``lens`` valid); a token sampled from the last."""
-    logits, row = apply(params, cfg, tokens, _row(cache, i), lens, last_only=True)
-    return sample_rows(logits[:, 0], *rule)[0], _put(cache, i, row)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "width"), donate_argnames=("cache",))
 def steps_rows(params, cfg: ModelConfig, width: int, cache, tokens: Int[Array, " b"],
                limit: Int[Array, " b"], n: Int[Array, ""], eos: Int[Array, ""], rule: tuple
@@ -163,6 +156,21 @@ def put_row(cache, i: Int[Array, ""], row):
 
 
 get_row = jax.jit(_row)
+
+
+def feed_row(params, cfg: ModelConfig, cache, i: Int[Array, ""], tokens: Int[Array, "1 t"],
+             lens: Int[Array, " 1"], rule: tuple):
+    """Row ``i`` takes a chunk of tokens (``lens`` valid); a token sampled from the last. The
+    row is taken out of the pool, fed one layer's program at a time (model.apply_by_layer:
+    the pool's largest program was its feed, all layers unrolled) and put back; the pool's
+    cache is donated."""
+    logits, row = apply_by_layer(params, cfg, tokens, get_row(cache, i), lens, last_only=True)
+    return _sample_first(logits, rule), put_row(cache, i, row)
+
+
+@jax.jit
+def _sample_first(logits: Float[Array, "1 1 v"], rule: tuple) -> Int[Array, ""]:
+    return sample_rows(logits[:, 0], *rule)[0]
 
 
 @dataclasses.dataclass(eq=False)

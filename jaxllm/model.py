@@ -201,7 +201,7 @@ class Transformer(nn.Module):
         or with ``hidden`` the head's input [B, T, D] (:func:`head_logits` makes the logits);
         the new per-layer (keys, values, scores)).
 
-        ``part`` (a chunk through a cache one program per part, :func:`layer_part`): "embed"
+        ``part`` (a chunk through a cache one program per part, :func:`apply_by_layer`): "embed"
         returns the first block's input [B, T, D] alone; "head" takes the last block's output
         as ``tokens`` and returns the logits alone."""
         cfg = self.cfg

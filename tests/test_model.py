@@ -58,6 +58,23 @@ def test_dense_cache_decode_equals_plain_forward(model):
     assert list(cache.length) == [40, 40]
 
 
+def test_a_layer_at_a_time_equals_the_plain_forward(model):
+    """model.apply_by_layer (one program per layer, the chat's and the server's prompt) fed
+    chunk after chunk through a dense cache gives the plain forward's logits at every position
+    (both model families: parallel residual and LayerNorm, GQA and RMSNorm)."""
+    cfg, params = model
+    tokens = jax.random.randint(jax.random.key(5), (2, 29), 0, cfg.vocab_size)
+    full, _ = jaxllm.forward(params, cfg, tokens)
+    cache = jaxllm.init_cache(cfg, 2, sinks=0, window=32, ring=False)
+    got = []
+    for s, e in ((0, 17), (17, 21), (21, 29)):
+        lg, cache = jaxllm.model.apply_by_layer(params, cfg, tokens[:, s:e], cache,
+                                                np.full((2,), e - s, np.int32))
+        got.append(lg)
+    np.testing.assert_allclose(jnp.concatenate(got, 1), full, atol=1e-5)
+    assert list(cache.length) == [29, 29]
+
+
 def test_bfloat16_compute_close_to_float32(model):
     cfg, params = model
     tokens = jax.random.randint(jax.random.key(4), (1, 16), 0, cfg.vocab_size)

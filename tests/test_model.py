@@ -58,11 +58,7 @@ def test_dense_cache_decode_equals_plain_forward(model):
     assert list(cache.length) == [40, 40]
 
 
-def test_a_layer_at_a_time_equals_the_plain_forward(model):
-    """model.apply_by_layer (one program per layer, the chat's and the server's prompt) fed
-    chunk after chunk through a dense cache gives the plain forward's logits at every position
-    (both model families: parallel residual and LayerNorm, GQA and RMSNorm)."""
-    cfg, params = model
+def _fed_by_layer_matches_plain_forward(cfg, params):
     tokens = jax.random.randint(jax.random.key(5), (2, 29), 0, cfg.vocab_size)
     full, _ = jaxllm.forward(params, cfg, tokens)
     cache = jaxllm.init_cache(cfg, 2, sinks=0, window=32, ring=False)
@@ -73,6 +69,29 @@ def test_a_layer_at_a_time_equals_the_plain_forward(model):
         got.append(lg)
     np.testing.assert_allclose(jnp.concatenate(got, 1), full, atol=1e-5)
     assert list(cache.length) == [29, 29]
+
+
+def test_a_layer_at_a_time_equals_the_plain_forward(model):
+    """model.apply_by_layer (one program per layer, the chat's and the server's prompt) fed
+    chunk after chunk through a dense cache gives the plain forward's logits at every position
+    (parallel residual and LayerNorm; GQA and RMSNorm)."""
+    _fed_by_layer_matches_plain_forward(*model)
+
+
+TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_seq_len=64)
+FAMILIES = {"opt-postnorm-project": jaxllm.ModelConfig.of_family("opt", embed_dim=16,
+                                                                 pre_norm=False, **TINY),
+            "mpt-alibi": jaxllm.ModelConfig.of_family("mpt", **TINY),
+            "falcon-shared-norm": jaxllm.ModelConfig.of_family("falcon", shared_norm=True,
+                                                               **TINY)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_at_a_time_in_other_families(family):
+    """The same for learned positions with a projection around post-norm blocks (OPT-350m),
+    ALiBi (MPT) and a parallel block reading one norm (Falcon-7B)."""
+    cfg = FAMILIES[family]
+    _fed_by_layer_matches_plain_forward(cfg, jaxllm.init_params(cfg, jax.random.key(1)))
 
 
 def test_bfloat16_compute_close_to_float32(model):

@@ -68,7 +68,8 @@ def test_steps_are_calls_of_step_stopping_at_eos():
     lambda: jaxllm.init_cache(LLAMA, 3, sinks=2, window=16,
                               kv_quant=jaxllm.KVQuant("kivi", bits=4, group=8, residual=8)),
     lambda: jaxllm.init_cache(LLAMA, 3, sinks=1, evict_by=Evict("h2o", 3, 2)),
-], ids=["ring", "dense", "bf16", "kbit", "kivi", "h2o"])
+    lambda: jaxllm.init_cache(LLAMA, 3, sinks=1, window=3),  # a chunk wider than a block
+], ids=["ring", "dense", "bf16", "kbit", "kivi", "h2o", "ring-in-blocks"])
 def test_feed_by_layer_is_feed(make):
     """A chunk through one program per layer (the chat's prompt) against feed's one program:
     the same sampled tokens and the same cache, chunk after chunk (the ring wraps), with a row

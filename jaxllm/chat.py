@@ -174,7 +174,7 @@ class Chat:
         return self._warming is not None and self._warming.is_alive()
 
     def warm_up(self) -> None:
-        """Compile the two programs a turn runs (or read them from the compilation cache) in a
+        """Compile the programs a turn runs (or read them from the compilation cache) in a
         background thread, by feeding and stepping a throwaway empty cache; :meth:`send` waits
         for it. At a terminal the chat does this while the user types the first question, so
         the first answer comes as soon as the later ones (docs/CPU.md, "One block traced for every
@@ -187,7 +187,7 @@ class Chat:
                 _, key = jax.random.split(self.key)  # and the small programs send runs
                 rule, one = self.sampling.rule, np.ones((1,), np.int32)
                 token, cache = feed_by_layer(self.params, self.cfg, rule, self._empty_cache(),
-                                    np.zeros((1, self.chunk), np.int32), one, key)
+                                             np.zeros((1, self.chunk), np.int32), one, key)
                 int(token[0])
                 jax.block_until_ready(steps(self.params, self.cfg, rule, self.burst, cache,
                                             one, np.int32(1), np.int32(-1), key))

@@ -3,6 +3,7 @@ and dequantized in registers, against the jnp reference (pallas_kernels.referenc
 each key by its own angle; then whole decode steps through a wrapping sink + ring cache, kernel
 (interpreted) against the XLA form; and both lowerings at the shapes we ship."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -226,3 +227,24 @@ def test_a_servers_bursts_lower_for_gpu_with_the_kernel():
     traced = steps_rows.trace(params, cfg, 4, cache, rows, rows, S((), jnp.int32),
                               S((), jnp.int32), rule)
     assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_a_chunk_a_layer_at_a_time_lowers_for_gpu_with_the_feeds_kernels():
+    """The chat's prompt a layer at a time (model.apply_by_layer's layer program) lowers for
+    CUDA with the Pallas kernels that the one-program feed runs per layer: Llama-2-7B shapes,
+    2 layers, a 16-token chunk into a bfloat16 4 + 4092 cache."""
+    from jaxllm import model
+    from jaxllm.generate import SamplingConfig, feed
+    cfg, params, cache = _llama7b_shapes(1)
+    S = jax.ShapeDtypeStruct
+    tokens, lens = S((1, 16), jnp.int32), S((1,), jnp.int32)
+    whole = feed.trace(params, cfg, SamplingConfig().rule, cache, tokens, lens,
+                       jax.random.key(0)).lower(lowering_platforms=("cuda",)).as_text()
+    ends = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    view = model.layer_view(cache, 0)
+    static = model._plan_static(cfg, (view, lens), 16)
+    x, plan = jax.eval_shape(model._embed_jit, ends, cfg, tokens, view, lens)
+    one = model._layer_jit.trace(params["layer_0"], cfg, static, x, (cache.k[0], cache.v[0]),
+                                 plan).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = lambda text: set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text))  # noqa: E731
+    assert "__gpu$xla.gpu.triton" in one and kernels(one) == kernels(whole)

@@ -3,7 +3,6 @@ and dequantized in registers, against the jnp reference (pallas_kernels.referenc
 each key by its own angle; then whole decode steps through a wrapping sink + ring cache, kernel
 (interpreted) against the XLA form; and both lowerings at the shapes we ship."""
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -229,22 +228,26 @@ def test_a_servers_bursts_lower_for_gpu_with_the_kernel():
     assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_a_chunk_a_layer_at_a_time_lowers_for_gpu_with_the_feeds_kernels():
+@pytest.mark.parametrize("platform,call", [("cuda", "__gpu$xla.gpu.triton"),
+                                           ("tpu", "tpu_custom_call")])
+def test_a_chunk_a_layer_at_a_time_lowers_with_the_feeds_kernels(platform, call):
     """The chat's prompt a layer at a time (model.apply_by_layer's layer program) lowers for
-    CUDA with the Pallas kernels that the one-program feed runs per layer: Llama-2-7B shapes,
-    2 layers, a 16-token chunk into a bfloat16 4 + 4092 cache."""
+    CUDA and TPU with the Pallas kernels that the one-program feed runs per layer: Llama-2-7B
+    shapes, 2 layers, a 16-token chunk into a bfloat16 4 + 4092 cache."""
     from jaxllm import model
     from jaxllm.generate import SamplingConfig, feed
     cfg, params, cache = _llama7b_shapes(1)
     S = jax.ShapeDtypeStruct
     tokens, lens = S((1, 16), jnp.int32), S((1,), jnp.int32)
     whole = feed.trace(params, cfg, SamplingConfig().rule, cache, tokens, lens,
-                       jax.random.key(0)).lower(lowering_platforms=("cuda",)).as_text()
+                       jax.random.key(0)).lower(lowering_platforms=(platform,)).as_text()
     ends = {k: v for k, v in params.items() if not k.startswith("layer_")}
     view = model.layer_view(cache, 0)
     static = model._plan_static(cfg, (view, lens), 16)
     x, plan = jax.eval_shape(model._embed_jit, ends, cfg, tokens, view, lens)
     one = model._layer_jit.trace(params["layer_0"], cfg, static, x, (cache.k[0], cache.v[0]),
-                                 plan).lower(lowering_platforms=("cuda",)).as_text()
-    kernels = lambda text: set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text))  # noqa: E731
-    assert "__gpu$xla.gpu.triton" in one and kernels(one) == kernels(whole)
+                                 plan).lower(lowering_platforms=(platform,)).as_text()
+
+    def kernels(text):  # each kernel call's attributes (its compiled body) and types
+        return {line.split(") {", 1)[1] for line in text.splitlines() if f"@{call}(" in line}
+    assert kernels(one) and kernels(one) == kernels(whole)

@@ -205,6 +205,8 @@ class Transformer(nn.Module):
         returns the first block's input [B, T, D] alone; "head" takes the last block's output
         as ``tokens`` and returns the logits alone."""
         cfg = self.cfg
+        if part not in ("whole", "embed", "head"):
+            raise ValueError(f"part must be 'whole', 'embed' or 'head', got {part!r}")
         dt = _dtype(cfg)
         k8 = cfg.kernels.int8
         embed = Embed(cfg.embed_rows, cfg.embedding_dim, cfg.init_std, k8, name="embed")
@@ -522,8 +524,8 @@ def _forward_chunk(params, cfg: ModelConfig, tokens, cache, lens, last_only: boo
 # ---- a chunk through the cache in parts: the embedding, each layer, the head -----------------
 # What _forward_chunk computes, as separate traceable parts that a caller jits one by one (the
 # chat's prompt, jaxllm.generate.feed_by_layer): one layer's program run for every layer instead
-# of one program holding every layer. A loaded XLA:CPU program keeps its HLO, ~3.5 KiB an
-# instruction, so this keeps one layer's (docs/CPU.md, "Peak memory"). The embedding's part
+# of one program holding every layer: a loaded program's size grows with its layers (why and
+# what it saves: docs/CPU.md, "A layer at a time"). The embedding's part
 # also makes the chunk's attention plan, which every layer's part takes (split_static); the
 # cache's counters stay as they were until the head's part advances them.
 
@@ -531,9 +533,10 @@ def embed_part(params, cfg: ModelConfig, tokens: Int[Array, "b t"], cache: kvc.K
                lens: Int[Array, " b"]) -> tuple[Float[Array, "b t d"], attention.Plan]:
     """The first block's input for ``tokens`` fed into ``cache``, and the layers' plan (the
     cache's keys and values are only looked at for their shapes: any one layer's serve)."""
-    lay = cache.kind.layout(cache, lens, tokens.shape[1])
+    B, T = tokens.shape
+    lay = cache.kind.layout(cache, lens, T)
     x = Transformer(cfg).apply({"params": params}, tokens, cache, lay, part="embed")
-    return x, cache_plan(cfg, cache, lens, tokens.shape[1])
+    return x, chunk_plan(cfg, cache, lay, B, T)
 
 
 def cache_plan(cfg: ModelConfig, cache: kvc.KVCache, lens: Int[Array, " b"],
@@ -571,8 +574,8 @@ def apply_by_layer(params, cfg: ModelConfig, tokens: Int[Array, "b t"], cache: k
     """:func:`apply`'s ``(logits, cache)`` for a chunk through ``cache``, from one program per
     part, run from the host: the embedding (and the chunk's attention plan), one layer's
     program called for each layer in turn, and the head. Its programs hold one layer where a
-    program around :func:`apply` holds them all, which is what a loaded XLA:CPU program keeps
-    in memory (docs/CPU.md, "A layer at a time"); the cost is a call a layer. Not for use
+    program around :func:`apply` holds them all (less memory once loaded; docs/CPU.md, "A layer
+    at a time"); the cost is a call a layer. Not for use
     inside a jit. The cache is donated (use the one returned). Parameters with the blocks
     stacked, and a chunk that the kind would feed in blocks, go through :func:`apply` in one
     program."""

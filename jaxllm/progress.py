@@ -149,10 +149,9 @@ def default_cache_dir() -> str:
 def use_compile_cache(path: str) -> bool:
     """Keep compiled programs in ``path`` across runs (JAX's persistent compilation cache),
     unless a cache directory is set already (JAX_COMPILATION_CACHE_DIR, or by the caller).
-    Every program is kept, however fast it compiled: the chat's prompt runs a dozen small ones
-    (a layer's, the head's: about 0.1 s each), which a threshold of half a second left
-    to compile again in every run. False if ``path`` cannot be made (the run goes on without
-    the cache)."""
+    Every program is kept, however fast it compiled: the chat's prompt runs a dozen small ones,
+    which a threshold left to compile again in every run (docs/CPU.md, "A layer at a time").
+    False if ``path`` cannot be made (the run goes on without the cache)."""
     if jax.config.jax_compilation_cache_dir:
         return True
     try:

@@ -3,8 +3,8 @@ rows (the use StreamingLLM was made for, Xiao et al. 2024, §1: "LLMs deployed i
 applications such as multi-round dialogues").
 
 The pool is one cache of ``slots`` rows made by a streaming policy (StreamingLLM, window,
-KV-quantized, H2O / Q-Hitter), each row its own stream with its own positions. Three compiled
-programs, each built once whatever comes and goes:
+KV-quantized, H2O / Q-Hitter), each row its own stream with its own positions. Three kinds of
+compiled program, each built once whatever comes and goes:
 
 * **feed** a chunk of ``CHUNK`` prompt tokens into one row: the row taken out of the pool,
   run at batch 1 one layer's program at a time (jaxllm.model.apply_by_layer), put back (the
@@ -161,9 +161,9 @@ get_row = jax.jit(_row)
 def feed_row(params, cfg: ModelConfig, cache, i: Int[Array, ""], tokens: Int[Array, "1 t"],
              lens: Int[Array, " 1"], rule: tuple):
     """Row ``i`` takes a chunk of tokens (``lens`` valid); a token sampled from the last. The
-    row is taken out of the pool, fed one layer's program at a time (model.apply_by_layer:
-    the pool's largest program was its feed, all layers unrolled) and put back; the pool's
-    cache is donated."""
+    row is taken out of the pool, fed one layer's program at a time (model.apply_by_layer: the
+    decode burst is then the pool's only program with every layer in it) and put back; the
+    pool's cache is donated."""
     logits, row = apply_by_layer(params, cfg, tokens, get_row(cache, i), lens, last_only=True)
     return _sample_first(logits, rule), put_row(cache, i, row)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import statistics
 import subprocess
@@ -82,8 +83,12 @@ def compare(fmt: str, a) -> dict:
     prompt, lens = jnp.asarray([[ids[-1]]], jnp.int32), jnp.ones((1,), jnp.int32)
     names = {"base": {n: getattr(cpu, n) + "_base" for n, _ in HANDLERS},
              "new": {n: getattr(cpu, n) for n, _ in HANDLERS}}
-    loop = gen._generate_jit.__wrapped__  # one jit object per build: each keeps its own trace
-    jits = {k: jax.jit(loop, static_argnames=("cfg", "rule", "width"),
+    loop = gen._generate_jit.__wrapped__
+
+    def own(f):  # a function object of its own: JAX caches a trace by the function traced, so
+        # two jit objects of one function would share the first build's trace (an A/A run)
+        return functools.wraps(f)(lambda *args, **kw: f(*args, **kw))
+    jits = {k: jax.jit(own(loop), static_argnames=("cfg", "rule", "width"),
                        donate_argnames=("cache",)) for k in names}
     original = {n: getattr(cpu, n) for n, _ in HANDLERS}
 
@@ -104,6 +109,11 @@ def compare(fmt: str, a) -> dict:
         return wall / a.new * 1e3, used / a.new * 1e3, np.asarray(out[0])
 
     first = {k: run(k)[2] for k in names}  # traces and compiles each
+    for k in names:  # each program calls its own build's kernels, and only those
+        args = gen.loop_args(params, cfg, sc, prompt, lens, filled, jax.random.key(0))
+        text = jits[k].lower(*args).as_text()
+        if ("_base" in text) != (k == "base"):
+            raise SystemExit(f"kernel_ab: the {k} program does not call the {k} build's kernels")
     same = bool((first["base"] == first["new"]).all())
     times = {k: [] for k in names}
     for i in range(a.reps):

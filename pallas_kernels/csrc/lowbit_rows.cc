@@ -30,7 +30,7 @@
 // (rows_i8_at, rows8_i8 below); the caller asked for that rounding (jaxllm.lowbit.QLowBit.act).
 //
 // AVX2 with FMA and F16C (every x86-64 CPU since 2013-2015, AMD's included); machines without
-// them keep XLA's form. AVX-512 has no path here (not measured: the machines at hand lack it).
+// them keep XLA's form. AVX-512 has no path here (docs/CPU.md, "Low-bit products").
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -58,6 +58,16 @@ constexpr int64_t kWeightsPerBlock = 1 << 16;
 inline int64_t rows_per_block(int64_t K) { return std::max<int64_t>(8, kWeightsPerBlock / K); }
 
 #ifdef JAXLLM_AVX2
+// The codes kAhead bytes past those being read are asked for (a software prefetch) as each
+// load is made: two groups of four SmolLM2 rows ahead for the 4-bit products, four rows for
+// the 8-bit ones. The hardware's own prefetch left each group waiting on its first loads
+// (docs/CPU.md, "Measuring a kernel change"). A prefetch never faults, so asking past the end
+// of a weight is harmless.
+constexpr int64_t kAhead = 2304;
+inline void ask_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kAhead, _MM_HINT_T0);
+}
+
 inline float load_scalar(const float* p, int64_t i) { return p[i]; }
 inline float load_scalar(const uint16_t* p, int64_t i) { return _cvtsh_ss(p[i]); }
 
@@ -144,6 +154,7 @@ void rows_at(const float* xt, const float* xs, const uint32_t* codes, const floa
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i v[NB];
     for (int i = 0; i < NB; ++i) {
+      ask_ahead(codes + (n + i) * W + 8 * b);
       v[i] = load_words(codes + (n + i) * W + 8 * b, W - 8 * b);
     }
     __m256 acc[R][NB];
@@ -215,6 +226,7 @@ void rows8(const float* x, const float* xs, const uint8_t* codes, const S* scale
            int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * K;
+    for (int64_t l = 0; l < K; l += 64) ask_ahead(c + l);
     const S* s = scale + n * Gn;
     const S* o = offset + n * Gn;
     __m256 total[R];
@@ -314,6 +326,7 @@ void rows_i8_at(const int8_t* xlo, const int8_t* xhi, const float* d, const floa
     const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xlo + 32 * b));
     const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xhi + 32 * b));
     for (int i = 0; i < NB; ++i) {
+      ask_ahead(codes + (n + i) * W + 8 * b);
       const __m256i v = load_words(codes + (n + i) * W + 8 * b, W - 8 * b);
       const __m256i lo = _mm256_and_si256(v, nibbles);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
@@ -373,6 +386,7 @@ void rows8_i8(const int8_t* xq, const float* d, const float* xs, const uint8_t* 
   std::vector<float> sd(nb32);  // the row's scale of block j times d[j] (as rows_i8_at)
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * K;
+    for (int64_t l = 0; l < K; l += 64) ask_ahead(c + l);
     const S* sn = scale + n * Gn;
     int64_t i = 0;
     if (G == 32)

@@ -60,19 +60,12 @@ inline int64_t rows_per_block(int64_t K) { return std::max<int64_t>(8, kWeightsP
 #ifdef JAXLLM_AVX2
 // The codes kAhead bytes past those being read are asked for (a software prefetch) as each
 // load is made: two groups of four SmolLM2 rows ahead for the 4-bit products, four rows for
-// the 8-bit ones; and the 4-bit rows' scales and offsets two groups ahead. The hardware's own
-// prefetch left each group waiting on its first loads (docs/CPU.md, "Measuring a kernel
-// change"). A prefetch never faults, so asking past the end of a weight is harmless (the
-// addresses are formed as integers).
+// the 8-bit ones. The hardware's own prefetch left each group waiting on its first loads
+// (docs/CPU.md, "Measuring a kernel change"). A prefetch never faults, so asking past the end
+// of a weight is harmless.
 constexpr int64_t kAhead = 2304;
-inline void ask_for(const void* p, int64_t from, int64_t bytes) {  // [p + from, + bytes)
-  for (int64_t l = from; l < from + bytes; l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + l),
-                 _MM_HINT_T0);
-}
 inline void ask_ahead(const void* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kAhead),
-               _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p) + kAhead, _MM_HINT_T0);
 }
 
 inline float load_scalar(const float* p, int64_t i) { return p[i]; }
@@ -217,9 +210,6 @@ void rows(const float* xt, const float* xs, const uint32_t* codes, const S* scal
   };
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
-    const int64_t row = Gn * sizeof(S);  // bytes; two groups on, as the codes
-    ask_for(scale, (n + 2 * NB) * row, NB * row);
-    ask_for(offset, (n + 2 * NB) * row, NB * row);
     widen(n, NB);
     rows_at<R, NB>(xt, xs, codes, sf.data(), of.data(), y, K, W, Gn, G, N, n);
   }

@@ -62,10 +62,11 @@ inline int64_t rows_per_block(int64_t K) { return std::max<int64_t>(8, kWeightsP
 // load is made: two groups of four SmolLM2 rows ahead for the 4-bit products, four rows for
 // the 8-bit ones. The hardware's own prefetch left each group waiting on its first loads
 // (docs/CPU.md, "Measuring a kernel change"). A prefetch never faults, so asking past the end
-// of a weight is harmless.
+// of a weight is harmless (the address is formed as an integer).
 constexpr int64_t kAhead = 2304;
 inline void ask_ahead(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + kAhead, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kAhead),
+               _MM_HINT_T0);
 }
 
 inline float load_scalar(const float* p, int64_t i) { return p[i]; }

@@ -231,3 +231,27 @@ def test_a_record_replaces_its_section_and_appends_the_archive(tmp_path):
     _record.put_section(str(doc), "c", "\n## c\n\nnew c\n")
     assert doc.read_text() == "# B\n\nintro\n\n## a\n\nnew a\n\n## b\n\nold b\n\n## c\n\nnew c\n"
     assert (tmp_path / "B-ARCHIVE.md").read_text() == "\n## a\n\nnew a\n\n## c\n\nnew c\n"
+
+
+def test_kernel_ab_traces_each_build_apart():
+    """kernel_ab.traced_apart: two jit objects of one function share a trace (what made every
+    kernel_ab run compare a build with itself); made apart, each traces what it reads then."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernel_ab
+    read = {"scale": 1.0}
+
+    def f(x):  # reads a value while traced, as a kernel's target name is read
+        return x * read["scale"]
+    x = jnp.ones(())
+    shared = [jax.jit(f), jax.jit(f)]
+    apart = [jax.jit(kernel_ab.traced_apart(f)), jax.jit(kernel_ab.traced_apart(f))]
+    got = {}
+    for name, (a, b) in (("shared", shared), ("apart", apart)):
+        read["scale"] = 1.0
+        first = float(a(x))
+        read["scale"] = 2.0
+        got[name] = (first, float(b(x)))
+    assert got["shared"] == (1.0, 1.0)  # JAX's behaviour that hid the bug
+    assert got["apart"] == (1.0, 2.0)

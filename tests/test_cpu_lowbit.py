@@ -32,6 +32,8 @@ def node(out, n, group, dtype, bits=4):
     (8, 17, 64, 64, np.float32, 4),  # one load a row
     (1, 35, 200, 8, np.float32, 4),  # one row: weight rows 4 at a time, then 3 alone
     (2, 7, 96, 32, np.float16, 4),  # two rows: weight rows 2 at a time, then one alone
+    (1, 37, 160, 32, np.float32, 4),  # float32 pairs of scales, the last load's second past K
+    (1, 9, 192, 96, np.float16, 4),  # a group neither one a load nor two: a scale a lane
     (1, 3000, 576, 32, np.float16, 8),  # SmolLM2's Q8_0 head, some of its rows
     (10, 40, 131, 16, np.float32, 8),  # K not a multiple of 8; two passes over the rows
     (1, 35, 131, 16, np.float16, 8),  # one row: weight rows 4 at a time, then 3 alone

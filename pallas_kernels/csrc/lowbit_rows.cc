@@ -124,28 +124,52 @@ void row_passes(ffi::ThreadPool& pool, int64_t M, int64_t N, int64_t K, const Fn
   }
 }
 
-// Each lane's (word's) group scale for the 64 columns of load b of a row: one group, or two of
-// 32 (GGUF's blocks); lanes past K multiply zeros, so the padding scale 0 is harmless.
-inline __m256 lane_scales(const float* sf, int64_t b, int64_t G, int64_t K) {
+// Where the 8 lanes (words) of a load of 64 columns find their group's scale: one group a load
+// (G a multiple of 64), two of 32 (GGUF's blocks), or a group each. A compile-time choice: read
+// as a run-time branch inside the loop it cost the float 4-bit product 1.7x its time (the
+// compiler kept the rows' sums in memory; docs/CPU.md, "Low-bit products").
+enum class Lanes { kOne, kTwo, kEach };
+
+// Scales i and i + 1 of a row as float32 in lanes 0 and 1 (i + 1 past the row's Gn: 0).
+inline __m128 scale_pair(const float* s, int64_t i, int64_t Gn) {
+  if (i + 1 >= Gn) return _mm_set_ss(s[i]);
+  return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + i)));
+}
+inline __m128 scale_pair(const uint16_t* s, int64_t i, int64_t Gn) {
+  uint32_t two = s[i];
+  if (i + 1 < Gn) std::memcpy(&two, s + i, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+}
+
+// Each lane's group scale for load b of a row (s: the row's Gn scales, float32 or float16),
+// read where it is used: widened into a buffer per group of rows first, the products waited on
+// that pass's loads. Lanes past K multiply zero codes; their scale is 0.
+template <Lanes L, typename S>
+inline __m256 lane_scales(const S* s, int64_t b, int64_t G, int64_t K, int64_t Gn) {
   const int64_t col = 64 * b;
-  if (G % 64 == 0) return _mm256_set1_ps(sf[col / G]);
-  if (G == 32) return _mm256_set_m128(_mm_set1_ps(sf[2 * b + 1]), _mm_set1_ps(sf[2 * b]));
-  alignas(32) float lane[8];
-  for (int w = 0; w < 8; ++w) {
-    const int64_t k = col + 8 * w;
-    lane[w] = k < K ? sf[k / G] : 0.0f;
+  if constexpr (L == Lanes::kOne) {
+    return _mm256_set1_ps(load_scalar(s, col / G));
+  } else if constexpr (L == Lanes::kTwo) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scale_pair(s, 2 * b, Gn)),
+                                    _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+  } else {
+    alignas(32) float lane[8];
+    for (int w = 0; w < 8; ++w) {
+      const int64_t k = col + 8 * w;
+      lane[w] = k < K ? load_scalar(s, k / G) : 0.0f;
+    }
+    return _mm256_load_ps(lane);
   }
-  return _mm256_load_ps(lane);
 }
 
 // Output rows n .. n + NB of y for R rows of x. NB weight rows go through at once so that one
 // row of x (R = 1, decode) still has NB independent chains of FMAs: a single chain waits out the
 // FMA's latency between a load's 8 fields (measured: docs/CPU.md, "Low-bit products").
-// xt: [R, blocks, 8 fields, 8 words] (x in field order), xs: [R, Gn] group sums; sf: NB rows of
-// Gn + 1 scales, of: NB rows of Gn offsets, in float32.
-template <int R, int NB>
-void rows_at(const float* xt, const float* xs, const uint32_t* codes, const float* sf,
-             const float* of, float* y, int64_t K, int64_t W, int64_t Gn, int64_t G, int64_t N,
+// xt: [R, blocks, 8 fields, 8 words] (x in field order), xs: [R, Gn] group sums; scale and
+// offset: [N, Gn] as given.
+template <int R, int NB, Lanes L, typename S>
+void rows_at(const float* xt, const float* xs, const uint32_t* codes, const S* scale,
+             const S* offset, float* y, int64_t K, int64_t W, int64_t Gn, int64_t G, int64_t N,
              int64_t n) {
   const int64_t blocks = (W + 7) / 8;
   const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0xf0);
@@ -175,20 +199,19 @@ void rows_at(const float* xt, const float* xs, const uint32_t* codes, const floa
       }
     }
     for (int i = 0; i < NB; ++i) {
-      const __m256 sv = lane_scales(sf + i * (Gn + 1), b, G, K);
+      const __m256 sv = lane_scales<L>(scale + (n + i) * Gn, b, G, K, Gn);
       for (int r = 0; r < R; ++r) total[r][i] = _mm256_fmadd_ps(acc[r][i], sv, total[r][i]);
     }
   }
   for (int i = 0; i < NB; ++i) {
-    const float* o = of + i * Gn;
+    const S* o = offset + (n + i) * Gn;
     for (int r = 0; r < R; ++r) {
       const float* xr = xs + r * Gn;
       __m256 t = total[r][i];
       int64_t g = 0;
-      for (; g + 8 <= Gn; g += 8)
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(o + g), _mm256_loadu_ps(xr + g), t);
+      for (; g + 8 <= Gn; g += 8) t = _mm256_fmadd_ps(load8(o + g), _mm256_loadu_ps(xr + g), t);
       float sum = hsum(t);
-      for (; g < Gn; ++g) sum += o[g] * xr[g];
+      for (; g < Gn; ++g) sum += load_scalar(o, g) * xr[g];
       y[r * N + n + i] = sum;
     }
   }
@@ -196,28 +219,27 @@ void rows_at(const float* xt, const float* xs, const uint32_t* codes, const floa
 
 // Rows n0..n1 of y for R rows of x (R <= 8, a compile-time count so the sums stay in registers),
 // 4 weight rows at a time for one row of x, 2 for two, 1 from three (their chains suffice).
+template <int R, Lanes L, typename S>
+void rows_in(const float* xt, const float* xs, const uint32_t* codes, const S* scale,
+             const S* offset, float* y, int64_t K, int64_t W, int64_t Gn, int64_t G, int64_t N,
+             int64_t n0, int64_t n1) {
+  constexpr int NB = R == 1 ? 4 : R == 2 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB)
+    rows_at<R, NB, L>(xt, xs, codes, scale, offset, y, K, W, Gn, G, N, n);
+  for (; n < n1; ++n) rows_at<R, 1, L>(xt, xs, codes, scale, offset, y, K, W, Gn, G, N, n);
+}
+
 template <int R, typename S>
 void rows(const float* xt, const float* xs, const uint32_t* codes, const S* scale,
           const S* offset, float* y, int64_t K, int64_t W, int64_t Gn, int64_t G, int64_t N,
           int64_t n0, int64_t n1) {
-  constexpr int NB = R == 1 ? 4 : R == 2 ? 2 : 1;
-  // The rows' scales (one past each row's end: 0) and offsets in float32.
-  std::vector<float> sf(NB * (Gn + 1), 0.0f), of(NB * Gn);
-  auto widen = [&](int64_t n, int nb) {
-    for (int i = 0; i < nb; ++i) {
-      to_f32(scale + (n + i) * Gn, Gn, sf.data() + i * (Gn + 1));
-      to_f32(offset + (n + i) * Gn, Gn, of.data() + i * Gn);
-    }
-  };
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) {
-    widen(n, NB);
-    rows_at<R, NB>(xt, xs, codes, sf.data(), of.data(), y, K, W, Gn, G, N, n);
-  }
-  for (; n < n1; ++n) {
-    widen(n, 1);
-    rows_at<R, 1>(xt, xs, codes, sf.data(), of.data(), y, K, W, Gn, G, N, n);
-  }
+  if (G % 64 == 0)
+    rows_in<R, Lanes::kOne>(xt, xs, codes, scale, offset, y, K, W, Gn, G, N, n0, n1);
+  else if (G == 32)
+    rows_in<R, Lanes::kTwo>(xt, xs, codes, scale, offset, y, K, W, Gn, G, N, n0, n1);
+  else
+    rows_in<R, Lanes::kEach>(xt, xs, codes, scale, offset, y, K, W, Gn, G, N, n0, n1);
 }
 
 // The 8-bit rows n0..n1 for R rows of x (natural column order; xs: [R, Gn] group sums).

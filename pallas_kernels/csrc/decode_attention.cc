@@ -195,11 +195,11 @@ struct Args {
 // Slots [c0, c1) of head row n, for each of its G query heads: the chunk's largest score m, the
 // sum l of exp(score - m), and the sum of exp(score - m) * v, written to ``part`` as [G] m, [G] l,
 // [G, D] sums. ``s`` [G, c1 - c0] holds the chunk's scores, then their exponentials.
-template <typename I, Kind K, int kG>
+template <typename I, Kind K, int kG, int kD>
 void chunk(const Args& a, int64_t n, int64_t c0, int64_t c1, float* s, float* part) {
   using V = typename I::V;
   constexpr int64_t esize = kBytes<K>, W = I::W;
-  const int64_t C = a.C, D = a.D, G = kG > 0 ? kG : a.G, L = c1 - c0;
+  const int64_t C = a.C, D = kD > 0 ? kD : a.D, G = kG > 0 ? kG : a.G, L = c1 - c0;
   const int64_t b = n / a.KVH, nv = (D + W - 1) / W;
   const char* kb = static_cast<const char*>(a.k) + (n * C + c0) * D * esize;
   const char* vb = static_cast<const char*>(a.v) + (n * C + c0) * D * esize;
@@ -277,8 +277,14 @@ template <Kind K>
 void chunk_any(const Args& a, int64_t n, int64_t c0, int64_t c1, float* part) {
   std::vector<float> s(a.G * (c1 - c0));
   // G = 1 (multi-head) is the common case; a compile-time 1 lets the compiler drop its loops.
-  if (a.G == 1) return chunk<Isa, K, 1>(a, n, c0, c1, s.data(), part);
-  chunk<Isa, K, 0>(a, n, c0, c1, s.data(), part);
+  // A head dimension of 64 (SmolLM2, Pythia) as a compile-time count: its loads are whole
+  // vectors and its sums stay in registers (docs/CPU.md, "Decode attention in XLA").
+  if (a.D == 64) {
+    if (a.G == 1) return chunk<Isa, K, 1, 64>(a, n, c0, c1, s.data(), part);
+    return chunk<Isa, K, 0, 64>(a, n, c0, c1, s.data(), part);
+  }
+  if (a.G == 1) return chunk<Isa, K, 1, 0>(a, n, c0, c1, s.data(), part);
+  chunk<Isa, K, 0, 0>(a, n, c0, c1, s.data(), part);
 }
 
 // out[n, g] from the chunks' parts: each chunk's sums rescaled to the largest score M of all

@@ -142,8 +142,8 @@ inline __m128 scale_pair(const uint16_t* s, int64_t i, int64_t Gn) {
 }
 
 // Each lane's group scale for load b of a row (s: the row's Gn scales, float32 or float16),
-// read where it is used: widened into a buffer per group of rows first, the products waited on
-// that pass's loads. Lanes past K multiply zero codes; their scale is 0.
+// read where it is used rather than widened into a buffer per group of rows beforehand. Lanes
+// past K multiply zero codes; their scale is 0.
 template <Lanes L, typename S>
 inline __m256 lane_scales(const S* s, int64_t b, int64_t G, int64_t K, int64_t Gn) {
   const int64_t col = 64 * b;

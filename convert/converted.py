@@ -56,10 +56,12 @@ def entry(path: str, keep_quantized: bool) -> Optional[str]:
     return os.path.join(cache_dir(), "models", f"{sha[:32]}-{form}-{_converter_digest()}")
 
 
-def read(where: str, path: str, build_tokenizer: Callable):
+def read(where: str, path: str, build_tokenizer: Callable, shapes_only: bool = False):
     """``(cfg, params, tokenizer)`` of a cache entry, or None when there is none or it cannot be
     read (then it is removed). ``build_tokenizer()``: transformers' tokenizer of the file, made
-    only if asked for (jaxllm.tokenizer.HFTokenizer.of_backend)."""
+    only if asked for (jaxllm.tokenizer.HFTokenizer.of_backend). ``shapes_only``: the
+    parameters as jax.ShapeDtypeStruct leaves, their data left on disk (jaxllm.io.load_model);
+    an entry that cannot be read is then left for the load to remove."""
     if not os.path.isdir(where):
         return None
     try:
@@ -67,14 +69,15 @@ def read(where: str, path: str, build_tokenizer: Callable):
 
         from jaxllm.io import load_model
         from jaxllm.tokenizer import HFTokenizer
-        cfg, params, _ = load_model(os.path.join(where, _MODEL))
+        cfg, params, _ = load_model(os.path.join(where, _MODEL), shapes_only=shapes_only)
         with open(os.path.join(where, _META), encoding="utf-8") as f:
             meta = json.load(f)
         backend = Tokenizer.from_file(os.path.join(where, _TOKENIZER))
         tok = HFTokenizer.of_backend(backend, os.path.abspath(path), meta["special_tokens"],
                                      meta["chat_template"], build_tokenizer)
     except Exception:  # noqa: BLE001 - any damage to our own cache entry: convert again
-        shutil.rmtree(where, ignore_errors=True)
+        if not shapes_only:
+            shutil.rmtree(where, ignore_errors=True)
         return None
     return cfg, params, tok
 

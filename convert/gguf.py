@@ -371,6 +371,16 @@ def load(path: str, keep_quantized: bool = False):
     return cfg, params, tok
 
 
+def shapes(path: str, keep_quantized: bool = False):
+    """The reader's shapes (jaxllm.io.ModelReader): load's result with the parameters as
+    jax.ShapeDtypeStruct leaves, from the conversion kept in the user's cache; None before the
+    file's first load has kept one."""
+    from . import converted
+    where = converted.entry(path, keep_quantized)
+    return where and converted.read(where, path, lambda: tokenizer_from_gguf(path),
+                                    shapes_only=True)
+
+
 # What lets jaxllm.load_model read a GGUF file: registered under the "jaxllm.model_readers"
 # entry point (pyproject.toml), beside the Hugging Face reader.
-READER = ModelReader(name="GGUF", detect=is_gguf, load=load)
+READER = ModelReader(name="GGUF", detect=is_gguf, load=load, shapes=shapes)

@@ -200,6 +200,20 @@ class Chat:
             self._warming = threading.Thread(target=run, name=QUIET_THREAD)
             self._warming.start()
 
+    def compile_answer(self) -> None:
+        """Compile the answer's program (:func:`jaxllm.generate.steps`, the larger of a turn's
+        programs) for these parameters' shapes, or read it from the compilation cache. The
+        parameters may be ``jax.ShapeDtypeStruct`` leaves (jaxllm.load_model's ``shapes_only``):
+        a Chat made with the loaded weights of those shapes, the same config, cache, sampling
+        and burst then runs the program without compiling it again. ``jaxllm chat`` does this
+        before it loads the weights, so that the program's load, which needs ~50 MiB more
+        while it runs than after, comes while little else is in memory (docs/CPU.md, "Peak
+        memory")."""
+        from .generate import steps
+        row, scalar = jax.ShapeDtypeStruct((1,), np.int32), jax.ShapeDtypeStruct((), np.int32)
+        steps.lower(self.params, self.cfg, self.sampling.rule, self.burst, self.cache, row,
+                    scalar, scalar, self.key).compile()
+
     def _start(self) -> None:
         self.history: list[dict] = ([{"role": "system", "content": self.system}]
                                     if self.system else [])

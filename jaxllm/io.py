@@ -433,6 +433,10 @@ class ModelReader(NamedTuple):
     name: str
     detect: Callable[[str], bool]
     load: Callable[[str], tuple]
+    # ``shapes(path, keep_quantized)``: load's ``(cfg, params, tokenizer)`` with the parameters
+    # as jax.ShapeDtypeStruct leaves, without reading their data; None where the reader cannot
+    # tell them without reading (load_model's ``shapes_only``).
+    shapes: Optional[Callable[[str, bool], Optional[tuple]]] = None
 
 
 READER_GROUP = "jaxllm.model_readers"
@@ -490,7 +494,7 @@ def holds_blocks(spec: str) -> bool:
     return reader is not None and reader.name == "GGUF"
 
 
-def load_model(spec: str, sharding=None, keep_quantized: bool = False
+def load_model(spec: str, sharding=None, keep_quantized: bool = False, shapes_only: bool = False
                ) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
     """``(cfg, params, tokenizer)`` from a packaged model (``smollm2``), a GGUF file, a jaxllm
     model directory, a Hugging Face directory, ``embedded`` / ``embedded-sink`` or
@@ -500,7 +504,15 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
     the parameters; orbax checkpoints are restored straight into it. ``keep_quantized`` (GGUF
     files): their Q4_0/Q4_1/Q8_0 linears load as low-bit nodes, never dequantized
     (convert.gguf).
+
+    ``shapes_only``: the parameters as ``jax.ShapeDtypeStruct`` leaves, read from the files'
+    headers without their data, so that a program can be compiled before the weights take
+    memory (``jaxllm chat``: docs/CPU.md, "Peak memory"); None where the model's form does not
+    give them without reading it (a GGUF file not converted yet, orbax checkpoints, random and
+    embedded models, Hugging Face directories).
     """
+    if shapes_only:
+        return _shapes(spec, keep_quantized)
     if spec.startswith("random:") and not keep_quantized:
         cfg, params, tok = _load_random(spec)
         return cfg, _place(params, sharding), tok
@@ -516,6 +528,11 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
         cfg, params, tok = reader.load(spec, keep_quantized=True) if keep_quantized else \
             reader.load(spec)
         return cfg, _place(params, sharding), tok
+    return _load_dir(spec, sharding)
+
+
+def _load_dir(spec: str, sharding, shapes_only: bool = False) -> Optional[tuple]:
+    """load_model of a jaxllm model directory (``shapes_only``: None for orbax checkpoints)."""
     if not os.path.isdir(spec):
         what = "not a model file" if os.path.isfile(spec) else "no such file or directory"
         raise FileNotFoundError(f"--model {spec!r}: {what}; give {', '.join(PACKAGED)}, a GGUF "
@@ -547,12 +564,18 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
     for entry in (WEIGHTS, INDEX, ORBAX_DIR, TOKENIZER_DIR):
         confined(spec, os.path.join(spec, entry), cfg_path)
     if fmt == "orbax":
+        if shapes_only:
+            return None
         params = _restore_orbax(os.path.join(spec, ORBAX_DIR), sharding)
         check_params(cfg, tree.flatten(params), os.path.join(spec, ORBAX_DIR), quant)
     else:
         flat, w_path = _load_safetensors(spec)
         check_params(cfg, flat, w_path, quant)
-        params = tree.unflatten(_read_placed(flat, sharding))
+        if shapes_only:
+            params = tree.unflatten({k: jax.ShapeDtypeStruct(e.shape, e.dtype)
+                                     for k, e in flat.items()})
+        else:
+            params = tree.unflatten(_read_placed(flat, sharding))
     try:
         params = from_plain(params, quant)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a hand-edited entry
@@ -569,6 +592,20 @@ def load_model(spec: str, sharding=None, keep_quantized: bool = False
                              f"or {TOKENIZER_DIR!r}")
         tok_spec = confined(spec, os.path.join(spec, tok_spec), cfg_path, "field 'tokenizer'")
     return cfg, params, load_tokenizer(tok_spec)
+
+
+def _shapes(spec: str, keep_quantized: bool) -> Optional[tuple]:
+    """load_model's ``shapes_only``."""
+    if spec in PACKAGED:
+        spec = packaged_path(spec)
+    if spec.startswith("random:") or spec in EMBEDDED or not os.path.exists(spec):
+        return None
+    reader = reader_for(spec)
+    if reader is not None:
+        return reader.shapes(spec, keep_quantized) if reader.shapes else None
+    if keep_quantized or not os.path.isdir(spec):
+        return None
+    return _load_dir(spec, None, shapes_only=True)
 
 
 def _restore_orbax(path: str, sharding):

@@ -229,9 +229,15 @@ def test_a_conversion_is_kept_and_read_back_as_converted(tmp_path, monkeypatch):
         assert n == 0 and not (tmp_path / "cache").exists() or len(kept()) == n
         monkeypatch.delenv("JAXLLM_MODEL_CACHE")
         where = converted.entry(str(path), keep)
+        # The shapes alone come from a kept conversion only (none before the first load).
+        assert jaxllm.load_model(str(path), keep_quantized=keep, shapes_only=True) is None
         first = jaxllm.load_model(str(path), keep_quantized=keep)
         assert os.path.isdir(where)
         same(first, fresh)
+        cfg_s, shapes, _ = jaxllm.load_model(str(path), keep_quantized=keep, shapes_only=True)
+        assert cfg_s == first[0] and jax.tree.structure(shapes) == jax.tree.structure(first[1])
+        assert [(s.shape, s.dtype) for s in jax.tree.leaves(shapes)] == \
+            [(x.shape, x.dtype) for x in jax.tree.leaves(first[1])]
         with monkeypatch.context() as m:  # read back: nothing converted
             m.setattr(jg, "from_gguf", lambda *a, **k: pytest.fail("converted again"))
             same(jaxllm.load_model(str(path), keep_quantized=keep), fresh)

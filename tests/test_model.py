@@ -150,6 +150,10 @@ def test_save_load_roundtrip(tmp_path, model):
     cfg2, params2, tok = jaxllm.load_model(str(tmp_path / "m"))
     assert cfg2 == cfg and tok.name == "byte"
     jax.tree.map(np.testing.assert_array_equal, params, params2)
+    cfg3, shapes, _ = jaxllm.load_model(str(tmp_path / "m"), shapes_only=True)  # data not read
+    assert cfg3 == cfg and jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == \
+        jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    assert jaxllm.load_model("random:tiny", shapes_only=True) is None
     bad = dataclasses.replace(cfg, hidden_size=cfg.hidden_size * 2)
     jaxllm.save_model(str(tmp_path / "bad"), bad, params)
     with pytest.raises(ValueError, match="has shape"):

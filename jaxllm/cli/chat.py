@@ -48,16 +48,30 @@ def cmd_chat(a) -> None:
     from ..chat import Chat
     from ..progress import return_freed_memory
     pc = policy(a)
-    cfg, params, tok = load(a.model, weights=a.weights, keep_quantized=a.keep_quantized,
-                            int8_inputs=a.int8_inputs,
-                            file_blocks=True)
-    cache, capacity = streaming_cache(a, cfg, pc)
-    try:
-        c = Chat(params, cfg, tok, cache, sampling(a, tok), seed_key(a.seed), system=a.system,
-                 stop=a.stop, chunk=a.chunk, burst=a.burst)
-    except ValueError as e:
-        raise CliError(f"{a.model}: {flag_names(e)}; use jaxllm generate to continue text")
     tty = sys.stdin.isatty()
+    how = dict(weights=a.weights, keep_quantized=a.keep_quantized, int8_inputs=a.int8_inputs,
+               file_blocks=True)
+
+    def make(cfg, params, tok, cache):
+        try:
+            return Chat(params, cfg, tok, cache, sampling(a, tok), seed_key(a.seed),
+                        system=a.system, stop=a.stop, chunk=a.chunk, burst=a.burst)
+        except ValueError as e:
+            raise CliError(f"{a.model}: {flag_names(e)}; use jaxllm generate to continue text")
+
+    # Piped questions: the answer's program first, from the weights' shapes, then the weights
+    # (its load's transient over less memory: docs/CPU.md, "Peak memory"). At a terminal it
+    # loads in the background after them, while the user types.
+    cache, shaped = None, None if tty else load(a.model, shapes_only=True, **how)
+    if shaped is not None:
+        cache, capacity = streaming_cache(a, shaped[0], pc)
+        make(*shaped, cache).compile_answer()
+        del shaped
+        return_freed_memory()
+    cfg, params, tok = load(a.model, **how)
+    if cache is None:
+        cache, capacity = streaming_cache(a, cfg, pc)
+    c = make(cfg, params, tok, cache)
     if tty:
         c.warm_up()  # while the user types the first question
         print(f"Chatting with {a.model} through a {pc.label} cache of {capacity} tokens. "

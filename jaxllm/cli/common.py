@@ -197,13 +197,16 @@ def add_keep_quantized_arg(p: argparse.ArgumentParser, default: bool = False) ->
 
 
 def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
-         keep_quantized: bool = False, file_blocks: bool = False, int8_inputs: bool = False):
+         keep_quantized: bool = False, file_blocks: bool = False, int8_inputs: bool = False,
+         shapes_only: bool = False):
     """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError.
     ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`;
     ``keep_quantized``: a GGUF file's 4- and 8-bit linears kept as they are; ``file_blocks``:
     so by default with ``weights`` "stored" (the commands that decode: chat, generate, serve;
     twice float32's decode speed on a CPU, docs/CPU.md); ``int8_inputs``: 4-bit products take
-    their input rounded to 8 bits (jaxllm.lowbit.round_inputs)."""
+    their input rounded to 8 bits (jaxllm.lowbit.round_inputs). ``shapes_only``: the same
+    parameters as jax.ShapeDtypeStruct leaves, their data not read, or None where the model
+    does not give them so (jaxllm.io.load_model); nothing is said or checked."""
     import time
 
     import jax
@@ -216,25 +219,28 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
     keep_quantized = keep_quantized or (file_blocks and weights == "stored"
                                         and holds_blocks(model))
     from ..progress import return_freed_memory, say
+    if shapes_only:
+        try:
+            got = load_model(model, keep_quantized=keep_quantized, shapes_only=True)
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            raise CliError(flag_names(e)) from None
+        if got is None:
+            return None
+        cfg, params, tok = got
+        cfg = dataclasses.replace(cfg, kernels=_kernels())
+        if weights != "stored":
+            params = jax.eval_shape(lambda p: decode_weights(p, weights), params)
+        if int8_inputs:
+            from ..lowbit import round_inputs
+            params = jax.eval_shape(round_inputs, params)
+        return cfg, params, tok
     say(f"loading {model} ...")
     t0 = time.perf_counter()
     try:
         cfg, params, tok = load_model(model, keep_quantized=keep_quantized)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(flag_names(e)) from None
-    # The kernels: the environment's choice (the CLI's default), read here once, part of every
-    # program's static configuration from here on.
-    # On a machine whose only platform is the CPU, the products' kernels are the CPU's ("cpu":
-    # the C++ kernels, XLA's form elsewhere), so tracing a program never traces the GPU and TPU
-    # kernels that "auto" keeps for a lowering elsewhere (1 s of each SmolLM2 program's trace).
-    from ..config import Kernels
-    try:
-        kernels = Kernels.from_env()
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    if kernels.int8 == "auto" and {d.platform for d in jax.devices()} == {"cpu"}:
-        kernels = dataclasses.replace(kernels, int8="cpu")
-    cfg = dataclasses.replace(cfg, kernels=kernels)
+    cfg = dataclasses.replace(cfg, kernels=_kernels())
     n = sum(x.size for x in jax.tree.leaves(params))
     say(f"loaded {model} ({cfg.family}, {cfg.num_layers} layers, {n / 1e6:.0f}M weights) in "
         f"{time.perf_counter() - t0:.1f} s")
@@ -267,6 +273,24 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
         raise CliError(f"{model} has no tokenizer: copy the Hugging Face tokenizer files "
                        f"(tokenizer.json, tokenizer_config.json, ...) into {where}")
     return cfg, params, tok
+
+
+def _kernels():
+    """The kernels: the environment's choice (the CLI's default), read once per load, part of
+    every program's static configuration from there on. On a machine whose only platform is
+    the CPU, the products' kernels are the CPU's ("cpu": the C++ kernels, XLA's form
+    elsewhere), so tracing a program never traces the GPU and TPU kernels that "auto" keeps for
+    a lowering elsewhere (1 s of each SmolLM2 program's trace)."""
+    import jax
+
+    from ..config import Kernels
+    try:
+        kernels = Kernels.from_env()
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if kernels.int8 == "auto" and {d.platform for d in jax.devices()} == {"cpu"}:
+        kernels = dataclasses.replace(kernels, int8="cpu")
+    return kernels
 
 
 def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024, methods=None,

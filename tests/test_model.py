@@ -131,10 +131,13 @@ def test_a_load_reads_the_weights_a_batch_at_a_time(tmp_path, monkeypatch):
         jaxllm.load_model(str(tmp_path / name))  # imports and shape tables made before
         tracemalloc.start()
         _, loaded, _ = jaxllm.load_model(str(tmp_path / name))
-        peak = tracemalloc.get_traced_memory()[1]
+        kept, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         jax.tree.map(np.testing.assert_array_equal, params, loaded)
-        assert peak < total / 2, (name, peak, total)
+        # What the load still holds is not beside a device copy: on a CPU device_put may keep a
+        # suitably aligned host array as the device buffer itself, and which ones are aligned
+        # varies run to run (the peak alone swung 0.7-2.0 MB of 3.9 across runs).
+        assert peak - kept < total / 2, (name, peak, kept, total)
     from jaxllm.smoothquant import quantize_params
     q = quantize_params(params, cfg, "w8")
     jaxllm.save_model(str(tmp_path / "q"), cfg, q)

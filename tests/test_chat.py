@@ -297,6 +297,18 @@ def test_a_piped_chat_compiles_its_answer_before_it_reads_the_weights(tiny_dir, 
     assert capsys.readouterr().err.count(" tok/s") == 2
 
 
+@pytest.mark.parametrize("weights", ["stored", "bfloat16"])
+def test_the_shapes_a_chat_compiles_for_are_those_of_the_load(tiny_dir, weights):
+    """cli.common.load's ``shapes_only`` against the load itself (else the early compile would
+    be for other shapes, and the answers would compile again)."""
+    from jaxllm.cli.common import load
+    cfg, params, _ = load(tiny_dir, weights=weights, file_blocks=True)
+    cfg_s, shapes, _ = load(tiny_dir, weights=weights, file_blocks=True, shapes_only=True)
+    assert cfg_s == cfg and jax.tree.structure(shapes) == jax.tree.structure(params)
+    assert [(s.shape, s.dtype) for s in jax.tree.leaves(shapes)] == \
+        [(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+
+
 def test_leaving_a_terminal_chat_at_once_exits_cleanly(tiny_dir):
     """Ctrl-D at the first prompt, while the programs compile in the background (Chat.warm_up):
     exit status 0, and no abort from tearing the compile down."""

@@ -62,7 +62,8 @@ def cmd_chat(a) -> None:
     # Piped questions: the answer's program first, from the weights' shapes, then the weights
     # (its load's transient over less memory: docs/CPU.md, "Peak memory"). At a terminal it
     # loads in the background after them, while the user types.
-    cache, shaped = None, None if tty else load(a.model, shapes_only=True, **how)
+    cache = None
+    shaped = None if tty else load(a.model, shapes_only=True, **how)
     if shaped is not None:
         cache, capacity = streaming_cache(a, shaped[0], pc)
         make(*shaped, cache).compile_answer()

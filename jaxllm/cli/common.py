@@ -212,7 +212,6 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
     import jax
 
     from ..io import TOKENIZER_DIR, holds_blocks, load_model, reader_for
-    from ..quant import decode_weights
     if keep_quantized and weights != "stored":
         raise CliError(f"--weights {weights} converts float weights; --keep-quantized keeps "
                        f"the file's codes: give one of them")
@@ -228,12 +227,7 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
             return None
         cfg, params, tok = got
         cfg = dataclasses.replace(cfg, kernels=_kernels())
-        if weights != "stored":
-            params = jax.eval_shape(lambda p: decode_weights(p, weights), params)
-        if int8_inputs:
-            from ..lowbit import round_inputs
-            params = jax.eval_shape(round_inputs, params)
-        return cfg, params, tok
+        return cfg, _as_asked(params, weights, int8_inputs, jax.eval_shape), tok
     say(f"loading {model} ...")
     t0 = time.perf_counter()
     try:
@@ -244,17 +238,7 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
     n = sum(x.size for x in jax.tree.leaves(params))
     say(f"loaded {model} ({cfg.family}, {cfg.num_layers} layers, {n / 1e6:.0f}M weights) in "
         f"{time.perf_counter() - t0:.1f} s")
-    if weights != "stored":
-        try:
-            params = decode_weights(params, weights)
-        except ValueError as e:
-            raise CliError(f"--weights {weights}: {e}") from None
-    if int8_inputs:
-        from ..lowbit import round_inputs
-        try:
-            params = round_inputs(params)
-        except ValueError as e:
-            raise CliError(f"--int8-inputs: {e}") from None
+    params = _as_asked(params, weights, int8_inputs)
     return_freed_memory()  # the file's buffers, copied into the arrays
     if model.startswith("random:"):
         print(RANDOM_NOTE.format(model=model), file=sys.stderr)
@@ -273,6 +257,24 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
         raise CliError(f"{model} has no tokenizer: copy the Hugging Face tokenizer files "
                        f"(tokenizer.json, tokenizer_config.json, ...) into {where}")
     return cfg, params, tok
+
+
+def _as_asked(params, weights: str, int8_inputs: bool, apply=lambda f, p: f(p)):
+    """``params`` as --weights and --int8-inputs ask (load's), each step run by ``apply``
+    (jax.eval_shape for parameters given as shapes)."""
+    from ..lowbit import round_inputs
+    from ..quant import decode_weights
+    if weights != "stored":
+        try:
+            params = apply(lambda p: decode_weights(p, weights), params)
+        except ValueError as e:
+            raise CliError(f"--weights {weights}: {e}") from None
+    if int8_inputs:
+        try:
+            params = apply(round_inputs, params)
+        except ValueError as e:
+            raise CliError(f"--int8-inputs: {e}") from None
+    return params
 
 
 def _kernels():

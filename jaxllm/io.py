@@ -163,10 +163,12 @@ _PLACE_BATCH = 32 << 20
 
 
 class _Stored(NamedTuple):
-    """A tensor of a safetensors file, not read yet: its file, shape and dtype."""
+    """A tensor of a safetensors file, not read yet: its file, shape, dtype and where its bytes
+    start in the file."""
     file: str
     shape: tuple
     dtype: np.dtype
+    start: int
 
     @property
     def nbytes(self) -> int:
@@ -205,26 +207,51 @@ def _load_safetensors(spec: str) -> tuple[dict, str]:
         if not os.access(f, os.R_OK):  # safetensors reports this as "No such file"
             raise ValueError(f"cannot read {f}: permission denied")
         try:
-            with safe_open(f, framework="numpy") as h:
+            with safe_open(f, framework="numpy") as h:  # checks the header's offsets
+                starts = _data_starts(f)
                 for name in h.keys():
                     part = h.get_slice(name)
                     dtype = part.get_dtype()
                     if dtype not in _ST_DTYPES:
                         raise ValueError(f"{f}: tensor {name} has dtype {dtype}, which jaxllm "
                                          f"does not read ({', '.join(_ST_DTYPES)})")
-                    flat[name] = _Stored(f, tuple(part.get_shape()), np.dtype(_ST_DTYPES[dtype]))
+                    flat[name] = _Stored(f, tuple(part.get_shape()), np.dtype(_ST_DTYPES[dtype]),
+                                         starts[name])
         except SafetensorError as e:
             raise ValueError(f"{f} is not a valid safetensors file ({e})") from None
     return flat, files[0] if len(files) == 1 else index
+
+
+def _data_starts(path: str) -> dict:
+    """Where each tensor's bytes start in a safetensors file (its format: an 8-byte
+    little-endian header size, the JSON header, whose ``data_offsets`` count from its end).
+    The header has been checked by ``safe_open``."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+def _read_aligned(f, e: _Stored) -> np.ndarray:
+    """``e``'s tensor read from the open file ``f`` into a new array whose data starts on a
+    64-byte boundary: XLA's CPU client takes such an array as the device buffer itself (no
+    copy; docs/CPU.md, "Peak memory"), where safetensors' arrays start where they may."""
+    raw = np.empty(e.nbytes + 64, np.uint8)
+    at = -raw.ctypes.data % 64
+    buf = raw[at:at + e.nbytes]
+    f.seek(e.start)
+    if f.readinto(memoryview(buf)) != e.nbytes:
+        raise ValueError(f"{e.file} is shorter than its header says: the file is truncated "
+                         f"(copy or convert it again)")
+    return buf.view(e.dtype).reshape(e.shape)
 
 
 def _read_placed(flat: dict, sharding) -> dict:
     """The :class:`_Stored` tensors of ``flat`` read and put on ``sharding`` (as :func:`_place`
     takes it) about _PLACE_BATCH bytes at a time, each batch's host copies dropped before the
     next is read: the host copy of the whole model never sits beside its device copy (a
-    load's peak was both). One transfer a batch, not a tensor (a transfer each: 0.6 s for
-    SmolLM2's 694)."""
-    from safetensors import SafetensorError, safe_open
+    load's peak was both; on a CPU the arrays are the device buffers: :func:`_read_aligned`).
+    One transfer a batch, not a tensor (a transfer each: 0.6 s for SmolLM2's 694)."""
     per = None if sharding is None or isinstance(sharding, jax.sharding.Sharding) else \
         tree.flatten(sharding)
     out, names, size = {}, [], 0
@@ -233,9 +260,10 @@ def _read_placed(flat: dict, sharding) -> dict:
         batch = {}
         for f in dict.fromkeys(flat[name].file for name in names):  # each file opened once
             try:
-                with safe_open(f, framework="numpy") as h:
-                    batch.update({n: h.get_tensor(n) for n in names if flat[n].file == f})
-            except SafetensorError as err:
+                with open(f, "rb") as h:
+                    batch.update({n: _read_aligned(h, flat[n]) for n in names
+                                  if flat[n].file == f})
+            except OSError as err:
                 raise ValueError(f"{f}: its tensors cannot be read ({err})") from None
         out.update(_place(batch, sharding if per is None else {k: per[k] for k in batch}))
         names.clear()

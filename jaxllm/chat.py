@@ -137,12 +137,14 @@ class Chat:
     generated per call, the text shown a burst at a time (1: each token as it comes, slower;
     see :data:`BURST`).
     ``system``: a system message first (the template's default when None). ``reset()`` starts a
-    new conversation in an empty cache.
+    new conversation in an empty cache. ``answer``: the answer's program, compiled already by
+    :meth:`compile_answer` of a Chat of the same shapes (e.g. made with the weights' shapes
+    before they were read).
     """
 
     def __init__(self, params, cfg, tok, cache, sampling=None, key: Optional[jax.Array] = None,
                  system: Optional[str] = None, stop: Sequence[str] = (), chunk: int = CHUNK,
-                 burst: int = BURST):
+                 burst: int = BURST, answer=None):
         from .generate import SamplingConfig
         if not getattr(tok, "has_chat_template", False):
             raise ValueError(f"{getattr(tok, 'name', 'the model')}'s tokenizer has no chat "
@@ -165,6 +167,7 @@ class Chat:
         # cache's buffers alive beside the live cache (a second cache's memory, all chat long).
         self._empty = jax.tree.map(_Blank.of, cache)
         self.cache = cache
+        self._answer = answer
         self._warming: Optional[threading.Thread] = None
         self._start()
 
@@ -200,19 +203,28 @@ class Chat:
             self._warming = threading.Thread(target=run, name=QUIET_THREAD)
             self._warming.start()
 
-    def compile_answer(self) -> None:
-        """Compile the answer's program (:func:`jaxllm.generate.steps`, the larger of a turn's
-        programs) for these parameters' shapes, or read it from the compilation cache. The
+    def compile_answer(self):
+        """The answer's program (:func:`jaxllm.generate.steps`, the larger of a turn's
+        programs) compiled for these parameters' shapes, or read from the compilation cache;
+        this Chat runs it from now on, and returns it for another Chat (``answer``). The
         parameters may be ``jax.ShapeDtypeStruct`` leaves (jaxllm.load_model's ``shapes_only``):
-        a Chat made with the loaded weights of those shapes, the same config, cache, sampling
-        and burst then runs the program without compiling it again. ``jaxllm chat`` does this
-        before it loads the weights, so that the program's load, which needs ~50 MiB more
-        while it runs than after, comes while little else is in memory (docs/CPU.md, "Peak
-        memory")."""
+        ``jaxllm chat`` compiles before it loads the weights, so that the program's load, which
+        needs ~50 MiB more while it runs than after, comes while little else is in memory
+        (docs/CPU.md, "Peak memory"); held as a program, not found in JAX's caches, it lets
+        the CLI clear those of the tracing it no longer needs."""
         from .generate import steps
         row, scalar = jax.ShapeDtypeStruct((1,), np.int32), jax.ShapeDtypeStruct((), np.int32)
-        steps.lower(self.params, self.cfg, self.sampling.rule, self.burst, self.cache, row,
-                    scalar, scalar, self.key).compile()
+        self._answer = steps.lower(self.params, self.cfg, self.sampling.rule, self.burst,
+                                   self.cache, row, scalar, scalar, self.key).compile()
+        return self._answer
+
+    def _steps(self, token, n, eos):
+        """generate.steps over this chat's cache and key, its compiled program if it has one."""
+        from .generate import steps
+        if self._answer is not None:
+            return self._answer(self.params, self.cache, token, n, eos, self.key)
+        return steps(self.params, self.cfg, self.sampling.rule, self.burst, self.cache, token,
+                     n, eos, self.key)
 
     def _start(self) -> None:
         self.history: list[dict] = ([{"role": "system", "content": self.system}]
@@ -233,7 +245,7 @@ class Chat:
         return int(np.max(np.asarray(self.cache.length)))
 
     def send(self, message: str, on_text: Optional[Callable[[str], None]] = None) -> Round:
-        from .generate import feed_by_layer, steps
+        from .generate import feed_by_layer
         from .kv.cache import kv_bytes
         from .positions import with_sink
         from .progress import watch_compiles
@@ -280,11 +292,9 @@ class Chat:
                     # generated (a burst's tokens after a stop string too: the history keeps
                     # them). The text is shown after the burst is dispatched: its compile never
                     # splits an answer's line.
-                    toks, count, self.cache, self.key = steps(
-                        self.params, self.cfg, sc.rule, self.burst, self.cache,
-                        np.asarray(queue[-1:], np.int32), np.int32(1 if last else
-                                                                   min(self.burst, left)),
-                        eos, self.key)
+                    toks, count, self.cache, self.key = self._steps(
+                        np.asarray(queue[-1:], np.int32),
+                        np.int32(1 if last else min(self.burst, left)), eos)
                     if text and on_text is not None:
                         on_text(text)
                     if last:

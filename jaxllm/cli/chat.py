@@ -45,6 +45,8 @@ def add_chat(sub) -> None:
 
 
 def cmd_chat(a) -> None:
+    import jax
+
     from ..chat import Chat
     from ..progress import return_freed_memory
     pc = policy(a)
@@ -52,27 +54,31 @@ def cmd_chat(a) -> None:
     how = dict(weights=a.weights, keep_quantized=a.keep_quantized, int8_inputs=a.int8_inputs,
                file_blocks=True)
 
-    def make(cfg, params, tok, cache):
+    def make(cfg, params, tok, cache, answer=None):
         try:
             return Chat(params, cfg, tok, cache, sampling(a, tok), seed_key(a.seed),
-                        system=a.system, stop=a.stop, chunk=a.chunk, burst=a.burst)
+                        system=a.system, stop=a.stop, chunk=a.chunk, burst=a.burst,
+                        answer=answer)
         except ValueError as e:
             raise CliError(f"{a.model}: {flag_names(e)}; use jaxllm generate to continue text")
 
     # Piped questions: the answer's program first, from the weights' shapes, then the weights
     # (its load's transient over less memory: docs/CPU.md, "Peak memory"). At a terminal it
     # loads in the background after them, while the user types.
-    cache = None
+    cache = answer = None
     shaped = None if tty else load(a.model, shapes_only=True, **how)
     if shaped is not None:
         cache, capacity = streaming_cache(a, shaped[0], pc)
-        make(*shaped, cache).compile_answer()
+        answer = make(*shaped, cache).compile_answer()
         del shaped
+        # The program is held; what JAX's caches kept of its tracing and lowering (8 MiB for
+        # SmolLM2) is not needed again.
+        jax.clear_caches()
         return_freed_memory()
     cfg, params, tok = load(a.model, **how)
     if cache is None:
         cache, capacity = streaming_cache(a, cfg, pc)
-    c = make(cfg, params, tok, cache)
+    c = make(cfg, params, tok, cache, answer)
     if tty:
         c.warm_up()  # while the user types the first question
         print(f"Chatting with {a.model} through a {pc.label} cache of {capacity} tokens. "

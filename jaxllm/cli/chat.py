@@ -48,7 +48,8 @@ def cmd_chat(a) -> None:
     import jax
 
     from ..chat import Chat
-    from ..progress import return_freed_memory
+    from ..progress import one_malloc_arena, return_freed_memory
+    one_malloc_arena()  # before JAX starts its threads
     pc = policy(a)
     tty = sys.stdin.isatty()
     how = dict(weights=a.weights, keep_quantized=a.keep_quantized, int8_inputs=a.int8_inputs,

@@ -291,7 +291,7 @@ def chat_memory(a) -> None:
              f"--repeats {a.repeats}` on {machine()}; {os.path.basename(a.gguf)}; the "
              f"{len(QUESTIONS)} questions of the script, greedy, at most {a.new} tokens an "
              f"answer; jaxllm chat with its defaults (the file's 4-bit blocks, StreamingLLM "
-             f"4+1020, float32 cache), llama.cpp's create_chat_completion with a 2,048-token "
+             f"4+1020, float16 cache), llama.cpp's create_chat_completion with a 2,048-token "
              f"context (float16 cache), streamed. First text: from a question handed over to "
              f"its answer's first text (the turn's template tokens fed, the first token "
              f"sampled and decoded); jaxllm's first turn holds its programs' compilation (first "

@@ -297,6 +297,23 @@ def test_a_piped_chat_compiles_its_answer_before_it_reads_the_weights(tiny_dir, 
     assert capsys.readouterr().err.count(" tok/s") == 2
 
 
+def test_the_chat_command_keeps_its_cache_in_float16_unless_asked(tiny_dir, monkeypatch):
+    """jaxllm chat's default cache is float16 (llama.cpp's: half the bytes); --kv-dtype
+    float32 still gives float32."""
+    import io
+
+    from jaxllm.chat import Chat
+    from jaxllm.cli import main
+    seen, send = [], Chat.send
+    monkeypatch.setattr(Chat, "send", lambda self, *a, **k: seen.append(self.cache.k[0].dtype)
+                        or send(self, *a, **k))
+    for extra in ([], ["--kv-dtype", "float32"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2\n"))
+        assert main(["chat", "--model", tiny_dir, "--max-new-tokens", "2", "--sinks", "4",
+                     "--cache", "64", *extra]) == 0
+    assert seen == [jnp.float16, jnp.float32], seen
+
+
 @pytest.mark.parametrize("weights", ["stored", "bfloat16"])
 def test_the_shapes_a_chat_compiles_for_are_those_of_the_load(tiny_dir, weights):
     """cli.common.load's ``shapes_only`` against the load itself (else the early compile would

@@ -38,8 +38,10 @@ def add_chat(sub) -> None:
                         f"(default {BURST}; 1 shows each token as it comes, and is slower)")
     p.add_argument("--show-cache", action="store_true",
                    help="after each answer, also print what the cache holds")
+    # A float16 cache, as llama.cpp's: half the bytes (22 MiB of SmolLM2's peak) and the same
+    # answers to the token in the measured chats (docs/CPU.md, "A chat's answer").
     add_policy_args(p, methods=[m for m, c in METHODS.items() if c.keeps_cache and c.streams],
-                    chunk=False)
+                    chunk=False, kv_dtype="float16")
     add_weights_arg(p, file_blocks=True)
     p.set_defaults(fn=cmd_chat)
 

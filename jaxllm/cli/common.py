@@ -296,9 +296,10 @@ def _kernels():
 
 
 def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024, methods=None,
-                    chunk: bool = True) -> None:
+                    chunk: bool = True, kv_dtype: Optional[str] = None) -> None:
     """--method (one of ``methods``, default every jaxllm.policy.METHODS), --sinks, --cache
-    (default ``cache`` for the methods that have one), --chunk, the KV flags, and a flag for
+    (default ``cache`` for the methods that have one), --chunk, the KV flags (--kv-dtype's
+    default ``kv_dtype``: None is the policy's, float32), and a flag for
     each method's own settings (jaxllm.policy.setting), grouped by the methods that take it.
     Settings left out take the method's own defaults; one it does not have is refused."""
     from ..policy import METHODS, own_settings
@@ -314,7 +315,7 @@ def add_policy_args(p: argparse.ArgumentParser, cache: int = 1024, methods=None,
     if chunk:
         p.add_argument("--chunk", type=COUNT, default=256, help="tokens per forward call")
     add_kv_args(p)
-    add_kv_dtype_arg(p)
+    add_kv_dtype_arg(p, kv_dtype)
     groups: dict = {}
     for name, (f, takers) in own_settings(methods).items():
         if tuple(takers) not in groups:
@@ -333,11 +334,12 @@ KV_HELP = ("how the KV cache stores keys and values (the sink tokens always in f
            "window)")
 
 
-def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+def add_kv_dtype_arg(p: argparse.ArgumentParser, default: Optional[str] = None) -> None:
     from ..policy import KV_DTYPES
-    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
-                   help="the KV cache's float dtype (default float32; a quantized cache's "
-                        "sinks): bfloat16 halves its bytes (its speed: docs/BENCHMARKS.md)")
+    p.add_argument("--kv-dtype", default=default, choices=KV_DTYPES,
+                   help="the KV cache's float dtype (a quantized cache's sinks'): float16 and "
+                        "bfloat16 halve its bytes (their speed: docs/BENCHMARKS.md)"
+                        + ("" if default else " (default: float32)"))
 
 
 def add_kv_args(p: argparse.ArgumentParser) -> None:

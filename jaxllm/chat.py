@@ -178,24 +178,32 @@ class Chat:
 
     def warm_up(self) -> None:
         """Compile the programs a turn runs (or read them from the compilation cache) in a
-        background thread, by feeding and stepping a throwaway empty cache; :meth:`send` waits
-        for it. At a terminal the chat does this while the user types the first question, so
-        the first answer comes as soon as the later ones (docs/CPU.md, "One block traced for every
-        layer")."""
-        from .generate import feed_by_layer, steps
-        from .progress import QUIET_THREAD
+        background thread, by running them over the chat's cache with nothing to write (a
+        chunk of 0 tokens, 0 answer tokens: the cache is left as it is, and no second cache
+        takes memory); :meth:`send`, :meth:`reset` and :attr:`held` wait for it. At a terminal
+        the chat does this while the user types the first question, so the first answer comes
+        as soon as the later ones (docs/CPU.md, "One block traced for every layer")."""
+        from .generate import feed_by_layer
+        from .progress import QUIET_THREAD, return_freed_memory
+
+        def warm():
+            _, key = jax.random.split(self.key)  # and the small programs send runs
+            rule, none = self.sampling.rule, np.zeros((1,), np.int32)
+            token, self.cache = feed_by_layer(self.params, self.cfg, rule, self.cache,
+                                              np.zeros((1, self.chunk), np.int32), none, key)
+            int(token[0])
+            _, _, self.cache, _ = self._steps(self.cache, np.ones((1,), np.int32),
+                                              np.int32(0), np.int32(-1), key)
+            jax.block_until_ready(self.cache)
 
         def run():
             try:
-                _, key = jax.random.split(self.key)  # and the small programs send runs
-                rule, one = self.sampling.rule, np.ones((1,), np.int32)
-                token, cache = feed_by_layer(self.params, self.cfg, rule, self._empty_cache(),
-                                             np.zeros((1, self.chunk), np.int32), one, key)
-                int(token[0])
-                jax.block_until_ready(steps(self.params, self.cfg, rule, self.burst, cache,
-                                            one, np.int32(1), np.int32(-1), key))
+                warm()
             except Exception:  # noqa: BLE001  (send compiles again and reports what fails)
-                pass
+                self.cache = None  # perhaps donated to the call that failed
+                self.cache = self._empty_cache()
+            # The programs' loads freed: glibc would keep them resident while the user types.
+            return_freed_memory()
 
         if self._warming is None:
             # Not a daemon: a process that ends during the compile waits for it, where a daemon
@@ -218,21 +226,27 @@ class Chat:
                                    self.cache, row, scalar, scalar, self.key).compile()
         return self._answer
 
-    def _steps(self, token, n, eos):
-        """generate.steps over this chat's cache and key, its compiled program if it has one."""
+    def _steps(self, cache, token, n, eos, key):
+        """generate.steps with this chat's weights and settings: its compiled program if it
+        has one."""
         from .generate import steps
         if self._answer is not None:
-            return self._answer(self.params, self.cache, token, n, eos, self.key)
-        return steps(self.params, self.cfg, self.sampling.rule, self.burst, self.cache, token,
-                     n, eos, self.key)
+            return self._answer(self.params, cache, token, n, eos, key)
+        return steps(self.params, self.cfg, self.sampling.rule, self.burst, cache, token, n,
+                     eos, key)
 
     def _start(self) -> None:
         self.history: list[dict] = ([{"role": "system", "content": self.system}]
                                     if self.system else [])
         self.seen, self.ended, self.fed = 0, True, False
 
+    def _warmed(self) -> None:
+        if self._warming is not None:
+            self._warming.join()
+
     def reset(self) -> None:
         """A new conversation: the cache emptied, the history forgotten."""
+        self._warmed()
         self.cache = None  # freed before its replacement is made
         self.cache = self._empty_cache()
         self._start()
@@ -242,6 +256,7 @@ class Chat:
 
     @property
     def held(self) -> int:
+        self._warmed()
         return int(np.max(np.asarray(self.cache.length)))
 
     def send(self, message: str, on_text: Optional[Callable[[str], None]] = None) -> Round:
@@ -251,8 +266,7 @@ class Chat:
         from .progress import watch_compiles
         if not message.strip():
             raise ValueError("the message is empty")
-        if self._warming is not None:
-            self._warming.join()
+        self._warmed()
         sc = self.sampling
         ids = self.tok.encode(turn_text(self.tok, self.history, message, self.ended, self.fed))
         if not self.fed and self.cfg.sink_id is not None:  # a learnable sink starts the stream
@@ -293,8 +307,8 @@ class Chat:
                     # them). The text is shown after the burst is dispatched: its compile never
                     # splits an answer's line.
                     toks, count, self.cache, self.key = self._steps(
-                        np.asarray(queue[-1:], np.int32),
-                        np.int32(1 if last else min(self.burst, left)), eos)
+                        self.cache, np.asarray(queue[-1:], np.int32),
+                        np.int32(1 if last else min(self.burst, left)), eos, self.key)
                     if text and on_text is not None:
                         on_text(text)
                     if last:

@@ -50,18 +50,23 @@ def test_turns_add_up_to_the_template(tiny):
     assert (fed + closing).startswith(tok.tok.apply_chat_template(history, tokenize=False))
 
 
-def test_warm_up_compiles_what_a_turn_runs(tiny):
+@pytest.mark.parametrize("policy", [jaxllm.StreamingLLM(4, 60), jaxllm.H2O(cache=64)],
+                         ids=["streaming", "h2o"])
+def test_warm_up_compiles_what_a_turn_runs(tiny, policy):
     """Chat.warm_up (at a terminal, while the user types) compiles both programs of a turn in
-    the background: the first send then compiles nothing, and answers as an unwarmed chat."""
+    the background, over the chat's own cache with nothing to write: the cache is then a
+    fresh one's, the first send compiles nothing, and answers as an unwarmed chat."""
     from jaxllm.chat import Chat
     cfg, params, tok = tiny
 
     def fresh():  # a chunk no other test compiles, so the warm-up has work to do
-        return Chat(params, cfg, tok, jaxllm.StreamingLLM(4, 60).make_cache(cfg, 1, 64),
+        return Chat(params, cfg, tok, policy.make_cache(cfg, 1, 64),
                     SamplingConfig(max_new_tokens=5), chunk=5)
     c = fresh()
     c.warm_up()
     c._warming.join()
+    assert c.held == 0
+    jax.tree.map(np.testing.assert_array_equal, c.cache, fresh().cache)
     compiled = []
 
     def on(event, secs, **kw):

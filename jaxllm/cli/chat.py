@@ -65,11 +65,11 @@ def cmd_chat(a) -> None:
         except ValueError as e:
             raise CliError(f"{a.model}: {flag_names(e)}; use jaxllm generate to continue text")
 
-    # Piped questions: the answer's program first, from the weights' shapes, then the weights
-    # (its load's transient over less memory: docs/CPU.md, "Peak memory"). At a terminal it
-    # loads in the background after them, while the user types.
+    # The answer's program first, from the weights' shapes, then the weights: its load's
+    # transient over less memory (docs/CPU.md, "Peak memory"). At a terminal the rest of a
+    # turn's programs load in the background after them, while the user types.
     cache = answer = None
-    shaped = None if tty else load(a.model, shapes_only=True, **how)
+    shaped = load(a.model, shapes_only=True, **how)
     if shaped is not None:
         cache, capacity = streaming_cache(a, shaped[0], pc)
         answer = make(*shaped, cache).compile_answer()

@@ -136,7 +136,8 @@ def worker_llama(a) -> dict:
     out = run(a.new)
     (t0, c0), (t1, c1), (t2, c2) = marks
     return {"load_s": load_s, "prefill_s": t1 - t0, "decode_s": t2 - t1,
-            "decode_cpu_s": c2 - c1, "peak_mib": _peak_mib(), "tokens": out}
+            "decode_cpu_s": c2 - c1, "peak_mib": _peak_mib(), "tokens": out,
+            "weight_bytes": os.path.getsize(a.gguf)}  # the file's (with its vocabulary)
 
 
 QUESTIONS = ("What is the capital of France?", "Name three colors.",
@@ -303,51 +304,100 @@ def chat_memory(a) -> None:
            "\n".join(lines), notes, dry=a.dry)
 
 
+LLAMA_FTYPES = {"float32": "LLAMA_FTYPE_ALL_F32", "bfloat16": "LLAMA_FTYPE_MOSTLY_BF16"}
+
+
+def worker_llama_float(a) -> dict:
+    """The GGUF file's weights in a float format, written to ``--out`` by llama.cpp's own
+    quantizer (``llama_model_quantize``, the blocks dequantized: the same weights as jaxllm's
+    float loads of the file), so that llama.cpp's float speed can stand beside jaxllm's."""
+    import ctypes
+
+    import llama_cpp
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype, p.allow_requantize = getattr(llama_cpp, LLAMA_FTYPES[a.format]), True
+    err = os.dup(2)
+    try:  # it prints a line a tensor
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        rc = llama_cpp.llama_model_quantize(a.gguf.encode(), a.out.encode(), ctypes.byref(p))
+    finally:
+        os.dup2(err, 2)
+    if rc:
+        raise SystemExit(f"llama_model_quantize to {a.format} failed ({rc})")
+    return {"bytes": os.path.getsize(a.out)}
+
+
 def speed_table(a) -> None:
-    """Each weight format x KV cache against llama.cpp: load, prefill, decode, CPU, peak RSS."""
+    """Each weight format x KV cache against llama.cpp: load, prefill, decode, CPU, peak RSS;
+    and llama.cpp on the file's weights in float32 and bfloat16 (``--llama-floats``)."""
+    import shutil
+    import tempfile
+
     from _record import machine, record
     rate = read_rate_gbs()
     runs: dict = {}
     combos = [("llama", "-", "dense")] + [("jaxllm", f, c) for f in a.formats.split(",")
                                           for c in a.caches.split(",")]
-    for rep in range(a.repeats):
-        for kind, fmt, cache in combos:
-            r = spawn(a.llama_python if kind == "llama" else sys.executable, kind, a,
-                      format=fmt, cache=cache)
-            runs.setdefault((kind, fmt, cache), []).append(r)
-            print(f"run {rep + 1}: {kind} {fmt} {cache}: decode "
-                  f"{(a.new - 1) / r['decode_s']:.1f} tok/s", file=sys.stderr)
+    floats = {f: None for f in a.llama_floats.split(",") if f}
+    where = tempfile.mkdtemp(prefix="llama-floats-")
+    try:
+        for f in floats:
+            floats[f] = os.path.join(where, f"{f}.gguf")
+            spawn(a.llama_python, "llama-float", a, format=f, out=floats[f])
+        combos[1:1] = [("llama", f, "dense") for f in floats]
+        for rep in range(a.repeats):
+            for kind, fmt, cache in combos:
+                r = spawn(a.llama_python if kind == "llama" else sys.executable, kind, a,
+                          format=fmt, cache=cache,
+                          **({"gguf": floats[fmt]} if fmt in floats and kind == "llama" else {}))
+                runs.setdefault((kind, fmt, cache), []).append(r)
+                print(f"run {rep + 1}: {kind} {fmt} {cache}: decode "
+                      f"{(a.new - 1) / r['decode_s']:.1f} tok/s", file=sys.stderr)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
     med = lambda key, rs: statistics.median(r[key] for r in rs)  # noqa: E731
     base = runs[("llama", "-", "dense")]
     b_tps, b_cpu = (a.new - 1) / med("decode_s", base), med("decode_cpu_s", base) / (a.new - 1)
     b_pre = a.prompt / med("prefill_s", base)
     lines = ["| program | weights | KV cache | load s | prefill tok/s | decode tok/s | "
              "CPU-ms / token | peak RSS MiB | decode vs llama.cpp | CPU / token vs llama.cpp "
-             "| prefill vs llama.cpp | weight-read floor tok/s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| prefill vs llama.cpp | decode vs llama.cpp, same float format | weight-read "
+             "floor tok/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    tps_of = lambda rs: (a.new - 1) / med("decode_s", rs)  # noqa: E731
     for (kind, fmt, cache), rs in runs.items():
-        tps = (a.new - 1) / med("decode_s", rs)
+        tps = tps_of(rs)
         cpu = med("decode_cpu_s", rs) / (a.new - 1)
         pre = a.prompt / med("prefill_s", rs)
         floor = (f"{rate * 1e9 / rs[0]['weight_bytes']:.0f}" if "weight_bytes" in rs[0]
                  else "")
-        lines.append(f"| {'llama.cpp' if kind == 'llama' else 'jaxllm'} | "
-                     f"{'the file (Q4_1)' if kind == 'llama' else fmt} | "
+        same = ""
+        if kind == "jaxllm" and ("llama", fmt, "dense") in runs:
+            same = f"{tps / tps_of(runs[('llama', fmt, 'dense')]):.2f}x"
+        what = fmt if kind == "jaxllm" else (
+            "the file (Q4_1)" if fmt == "-" else f"the file's, {fmt} (llama_model_quantize)")
+        lines.append(f"| {'llama.cpp' if kind == 'llama' else 'jaxllm'} | {what} | "
                      f"{'dense' if kind == 'llama' else cache} | {med('load_s', rs):.2f} | "
                      f"{pre:.0f} | {tps:.1f} | {cpu * 1e3:.0f} | {med('peak_mib', rs):.0f} | "
-                     f"{tps / b_tps:.2f}x | {cpu / b_cpu:.2f}x | {pre / b_pre:.2f}x | {floor} |")
+                     f"{tps / b_tps:.2f}x | {cpu / b_cpu:.2f}x | {pre / b_pre:.2f}x | {same} | "
+                     f"{floor} |")
     def shared(t):  # the greedy answer's first tokens in common with llama.cpp's
         return next((i for i, (x, y) in enumerate(zip(t, base[0]["tokens"])) if x != y),
                     min(len(t), len(base[0]["tokens"])))
-    same = ", ".join(f"{'llama.cpp' if k == 'llama' else f} {c}: "
+    same = ", ".join(f"{'llama.cpp ' + f if k == 'llama' else f} {c}: "
                      f"{min(shared(r['tokens']) for r in rs)}" for (k, f, c), rs in runs.items())
     notes = (f"`python benchmarks/vs_llamacpp.py --llama-python ... --prompt {a.prompt} --new "
              f"{a.new} --repeats {a.repeats}` on {machine()}; {os.path.basename(a.gguf)}; "
-             f"medians of {a.repeats} runs alternated; read rate {rate:.1f} GB/s (numpy sum); "
+             f"medians of {a.repeats} runs alternated; read rate {rate:.1f} GB/s (numpy sums, "
+             f"one a core); "
              f"greedy tokens in common with llama.cpp's first answer before they part (the "
              f"fewest of the runs; llama.cpp rounds the activations to 8 bits for its Q4_1 "
              f"products): {same}. Dense: llama.cpp's own cache (float16) and jaxllm's "
-             f"(float32) hold the prompt and the answer; StreamingLLM: 4 sinks + 1,020 slots.")
+             f"(float32) hold the prompt and the answer; StreamingLLM: 4 sinks + 1,020 slots. "
+             f"llama.cpp's float rows run the file's weights converted by its own quantizer "
+             f"(the blocks dequantized, as jaxllm's float loads of the file are); the same-format "
+             f"column compares jaxllm's float32 and bfloat16 rows with them. The floor: the "
+             f"weights' bytes (llama.cpp's: its file's size) over the read rate.")
     table = "\n".join(lines)
     record("jaxllm against llama.cpp on the CPU (same GGUF, same prompt)", table, notes,
            dry=a.dry)
@@ -356,13 +406,22 @@ def speed_table(a) -> None:
 # ---- the driver ----------------------------------------------------------------------------------
 
 def read_rate_gbs() -> float:
-    """This machine's read rate, GB/s: the fastest sum of a 512 MiB float32 buffer (numpy)."""
+    """This machine's read rate, GB/s: the fastest sum of a 512 MiB float32 buffer by numpy,
+    a part on each core (both programs decode on every core; one core alone read 24 GB/s
+    where two read 34 on the 2-core Zen 4 EPYC)."""
+    import threading
+
     import numpy as np
     buf = np.ones(128 << 20, np.float32)
+    parts = np.array_split(buf, os.cpu_count() or 1)
     best = float("inf")
     for _ in range(5):
+        threads = [threading.Thread(target=p.sum) for p in parts]  # numpy's sum frees the GIL
         t = time.perf_counter()
-        buf.sum()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
         best = min(best, time.perf_counter() - t)
     return buf.nbytes / best / 1e9
 
@@ -391,6 +450,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternated runs of each")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--caches", default="dense,streaming")
+    ap.add_argument("--llama-floats", default="float32,bfloat16",
+                    help="llama.cpp also on the file's weights in these float formats (written "
+                         "by its quantizer to a temporary directory; '' for none)")
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--parts", default="speed,chat",
                     help="speed: the formats' table; chat: peak memory and turn latency of a chat")
     ap.add_argument("--dry", action="store_true", help="print, do not record")
@@ -424,7 +487,7 @@ def main() -> None:
 
 
 WORKERS = {"jaxllm": worker_jaxllm, "llama": worker_llama, "jaxllm-chat": worker_jaxllm_chat,
-           "llama-chat": worker_llama_chat}
+           "llama-chat": worker_llama_chat, "llama-float": worker_llama_float}
 
 if __name__ == "__main__":
     main()

@@ -68,8 +68,14 @@ def cmd_chat(a) -> None:
     # The answer's program first, from the weights' shapes, then the weights: its load's
     # transient over less memory (docs/CPU.md, "Peak memory"). At a terminal the rest of a
     # turn's programs load in the background after them, while the user types.
-    cache = answer = None
+    cache = answer = loaded = None
     shaped = load(a.model, shapes_only=True, **how)
+    if shaped is None:  # a GGUF file's first load converts it: the shapes are there after it
+        loaded = load(a.model, **how)
+        shaped = load(a.model, shapes_only=True, **how)
+        if shaped is not None:  # compiled without the weights in memory, then read again
+            loaded = None
+            return_freed_memory()
     if shaped is not None:
         cache, capacity = streaming_cache(a, shaped[0], pc)
         answer = make(*shaped, cache).compile_answer()
@@ -78,7 +84,8 @@ def cmd_chat(a) -> None:
         # SmolLM2) is not needed again.
         jax.clear_caches()
         return_freed_memory()
-    cfg, params, tok = load(a.model, **how)
+    cfg, params, tok = loaded or load(a.model, **how)
+    del loaded
     if cache is None:
         cache, capacity = streaming_cache(a, cfg, pc)
     c = make(cfg, params, tok, cache, answer)

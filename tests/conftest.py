@@ -103,3 +103,27 @@ def backend_compiles(fn) -> list:
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     return [e for e in events if "backend_compile" in e]
+
+
+def piped_chat_order(monkeypatch, argv: list, questions: str) -> list:
+    """``jaxllm`` run with ``argv`` and ``questions`` piped in: the order of its compiles of the
+    answer's program ("steps", jax.monitoring's events) and its reads of weights from a model
+    directory ("read", jaxllm.io._read_placed)."""
+    import io
+
+    from jaxllm import io as jio
+    from jaxllm.cli import main
+    seen, read = [], jio._read_placed
+    monkeypatch.setattr(jio, "_read_placed", lambda *a: seen.append("read") or read(*a))
+
+    def on(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and \
+                "steps" in str(kw.get("fun_name")):
+            seen.append("steps")
+    monkeypatch.setattr("sys.stdin", io.StringIO(questions))
+    jax.monitoring.register_event_duration_secs_listener(on)
+    try:
+        assert main(argv) == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on)
+    return seen

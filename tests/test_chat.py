@@ -281,24 +281,12 @@ def test_a_piped_chat_compiles_its_answer_before_it_reads_the_weights(tiny_dir, 
     """Questions piped in: the answer's program (generate.steps) compiles from the weights'
     shapes before the weights are read, so its load's transient comes while little else is in
     memory (docs/CPU.md, "Peak memory"), and the answers run it without compiling again."""
-    import io
-    from jaxllm import io as jio
-    from jaxllm.cli import main
-    seen, read = [], jio._read_placed
-    monkeypatch.setattr(jio, "_read_placed", lambda *a: seen.append("weights") or read(*a))
-
-    def on(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and \
-                "steps" in str(kw.get("fun_name")):
-            seen.append("steps")
-    monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2 w3\nw9\n"))
-    jax.monitoring.register_event_duration_secs_listener(on)
-    try:  # a burst no other test uses: the program is compiled here, not found in memory
-        assert main(["--no-compile-cache", "chat", "--model", tiny_dir, "--max-new-tokens", "6",
-                     "--sinks", "4", "--cache", "64", "--burst", "3"]) == 0
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on)
-    assert seen[:2] == ["steps", "weights"] and seen.count("steps") == 1, seen
+    from conftest import piped_chat_order
+    # a burst no other test uses: the program is compiled here, not found in memory
+    seen = piped_chat_order(monkeypatch, ["--no-compile-cache", "chat", "--model", tiny_dir,
+                                          "--max-new-tokens", "6", "--sinks", "4", "--cache",
+                                          "64", "--burst", "3"], "w1 w2 w3\nw9\n")
+    assert seen[:2] == ["steps", "read"] and seen.count("steps") == 1, seen
     assert capsys.readouterr().err.count(" tok/s") == 2
 
 

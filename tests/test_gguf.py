@@ -193,58 +193,41 @@ def test_small_files_read_as_transformers_reads_them(tmp_path, i, qtype):
     assert tok.encode("abZ8") == [63, 2 + 51, 2 + 60]
 
 
+def _tiny_q4_file(tmp_path, seed: int):
+    """A random tiny tied Llama (transformers') and its Q4_1 GGUF file."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+        num_attention_heads=H, num_key_value_heads=KVH, tie_word_embeddings=True,
+        max_position_embeddings=128, rms_norm_eps=1e-5))
+    path = tmp_path / "tiny.gguf"
+    _write(path, model, QT.Q4_1, np.random.default_rng(seed))
+    return model, path
+
+
 def test_a_chats_first_run_compiles_its_answer_with_the_weights_out_of_memory(tmp_path,
                                                                               monkeypatch):
     """The first `jaxllm chat` of a GGUF file converts it (the conversion kept), then compiles
     the answer's program from the conversion's shapes with the weights dropped, then reads
     them back: the compile's transient over less memory (docs/CPU.md, "Peak memory"); the
     answers run that program, compiled once."""
-    import io as sio
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from jaxllm import io as jio
-    from jaxllm.cli import main
-    torch.manual_seed(5)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
-        num_attention_heads=H, num_key_value_heads=KVH, tie_word_embeddings=True,
-        max_position_embeddings=128, rms_norm_eps=1e-5))
-    path = tmp_path / "tiny.gguf"
-    _write(path, model, QT.Q4_1, np.random.default_rng(5))
+    from conftest import piped_chat_order
+    _, path = _tiny_q4_file(tmp_path, 5)
     monkeypatch.setenv("JAXLLM_CACHE_DIR", str(tmp_path / "cache"))
-    seen, read = [], jio._read_placed
-    monkeypatch.setattr(jio, "_read_placed", lambda *a: seen.append("read back") or read(*a))
-
-    def on(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and \
-                "steps" in str(kw.get("fun_name")):
-            seen.append("steps")
-    monkeypatch.setattr("sys.stdin", sio.StringIO("hello\nhi\n"))
-    jax.monitoring.register_event_duration_secs_listener(on)
-    try:
-        assert main(["--no-compile-cache", "chat", "--model", str(path), "--max-new-tokens",
-                     "3", "--sinks", "4", "--cache", "32", "--burst", "5"]) == 0
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on)
-    assert seen == ["steps", "read back"], seen
+    seen = piped_chat_order(monkeypatch, ["--no-compile-cache", "chat", "--model", str(path),
+                                          "--max-new-tokens", "3", "--sinks", "4", "--cache",
+                                          "32", "--burst", "5"], "hello\nhi\n")
+    assert seen == ["steps", "read"], seen
 
 
 def test_a_conversion_is_kept_and_read_back_as_converted(tmp_path, monkeypatch):
     """convert.converted: a second load of a file reads its kept conversion (the same config,
     weights, low-bit codes, tokenizer and template as converting again); a damaged entry is
     converted again, a changed file is a new entry, JAXLLM_MODEL_CACHE=0 keeps none."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from convert import converted
     from jaxllm import tree
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
-        num_attention_heads=H, num_key_value_heads=KVH, tie_word_embeddings=True,
-        max_position_embeddings=128, rms_norm_eps=1e-5))
-    path = tmp_path / "tiny.gguf"
-    _write(path, model, QT.Q4_1, np.random.default_rng(3))
+    model, path = _tiny_q4_file(tmp_path, 3)
     monkeypatch.setenv("JAXLLM_CACHE_DIR", str(tmp_path / "cache"))
 
     def same(a, b):

@@ -102,26 +102,10 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Calls fn(std::integral_constant<int, R>{}, m0, n0, n1) for every pass over up to 8 rows of x
-// (m0 .. m0 + R: R a compile-time count, so a row's sums stay in registers) and every piece of
-// output rows n0 .. n1, the pieces shared over the thread pool.
+// Passes over up to 8 rows of x, pieces of rows_per_block(K) output rows (blocks.h).
 template <typename Fn>
 void row_passes(ffi::ThreadPool& pool, int64_t M, int64_t N, int64_t K, const Fn& fn) {
-  const int64_t per = rows_per_block(K), work = (N + per - 1) / per;
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int64_t R = std::min<int64_t>(8, M - m0);
-    jaxllm::for_each_block(pool, work, [&fn, m0, R, per, N](int64_t i) {
-      const int64_t n0 = i * per, n1 = std::min(N, n0 + per);
-      switch (R) {
-#define JAXLLM_ROWS(r) \
-  case r:              \
-    fn(std::integral_constant<int, r>{}, m0, n0, n1); break;
-        JAXLLM_ROWS(1) JAXLLM_ROWS(2) JAXLLM_ROWS(3) JAXLLM_ROWS(4)
-        JAXLLM_ROWS(5) JAXLLM_ROWS(6) JAXLLM_ROWS(7) JAXLLM_ROWS(8)
-#undef JAXLLM_ROWS
-      }
-    });
-  }
+  jaxllm::row_passes<8>(pool, M, N, rows_per_block(K), fn);
 }
 
 // Where the 8 lanes (words) of a load of 64 columns find their group's scale: one group a load
@@ -549,39 +533,23 @@ ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   return ffi::Error::InvalidArgument(name + " was built without AVX2, FMA and F16C; use XLA's "
                                      "form");
 #else
-  // Rows of x that are all zero have all-zero products (the weights are finite): only the
-  // others are multiplied, gathered first where some are zero. A batch's rows that a decode
-  // step leaves alone come as zeros (jaxllm.model), so they cost nothing here.
-  std::vector<int64_t> live;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x.typed_data() + m * K;
-    if (std::any_of(xm, xm + K, [](float v) { return v != 0.0f; })) live.push_back(m);
-  }
-  std::vector<float> xg, yg;
-  const float* xp = x.typed_data();
-  float* yp = y->typed_data();
-  const int64_t rows = static_cast<int64_t>(live.size());
-  if (rows < M) {
-    std::fill(yp, yp + M * N, 0.0f);
-    if (rows == 0) return ffi::Error::Success();
-    xg.resize(rows * K), yg.resize(rows * N);
-    for (int64_t i = 0; i < rows; ++i)
-      std::copy(xp + live[i] * K, xp + (live[i] + 1) * K, xg.data() + i * K);
-    xp = xg.data(), yp = yg.data();
-  }
-  auto run = [&, M = rows](auto* s, auto* o) {
-    if (int8_x && four)
-      product_i8(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, M, K,
-                 W, Gn, group, N);
-    else if (int8_x)
-      product8_i8(pool, xp, static_cast<const uint8_t*>(codes.untyped_data()), s, o, yp, M, K,
-                  Gn, group, N);
-    else if (four)
-      product(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, M, K, W,
-              Gn, group, N);
-    else
-      product8(pool, xp, static_cast<const uint8_t*>(codes.untyped_data()), s, o, yp, M, K, Gn,
-               group, N);
+  // Rows of x that are all zero are not multiplied (blocks.h, live_rows).
+  auto run = [&](auto* s, auto* o) {
+    jaxllm::live_rows(x.typed_data(), y->typed_data(), M, K, N,
+                      [&](const float* xp, float* yp, int64_t rows) {
+      if (int8_x && four)
+        product_i8(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, rows,
+                   K, W, Gn, group, N);
+      else if (int8_x)
+        product8_i8(pool, xp, static_cast<const uint8_t*>(codes.untyped_data()), s, o, yp, rows,
+                    K, Gn, group, N);
+      else if (four)
+        product(pool, xp, static_cast<const uint32_t*>(codes.untyped_data()), s, o, yp, rows, K,
+                W, Gn, group, N);
+      else
+        product8(pool, xp, static_cast<const uint8_t*>(codes.untyped_data()), s, o, yp, rows, K,
+                 Gn, group, N);
+    });
   };
   if (scale.element_type() == ffi::F32)
     run(static_cast<const float*>(scale.untyped_data()),
@@ -589,9 +557,6 @@ ffi::Error LowbitRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   else
     run(static_cast<const uint16_t*>(scale.untyped_data()),
         static_cast<const uint16_t*>(offset.untyped_data()));
-  if (rows < M)
-    for (int64_t i = 0; i < rows; ++i)
-      std::copy(yg.data() + i * N, yg.data() + (i + 1) * N, y->typed_data() + live[i] * N);
   return ffi::Error::Success();
 #endif
 }

@@ -34,24 +34,33 @@ from _record import record  # noqa: E402
 FORMATS = ("4bit", "4bit-a8", "float32", "bfloat16")
 # (the module's name of a target, the library's handler symbol)
 HANDLERS = (("TARGET", "JaxllmInt8Rows"), ("TOKEN_TARGET", "JaxllmInt8RowsToken"),
-            ("ATTENTION_TARGET", "JaxllmDecodeAttention"), ("LOWBIT_TARGET", "JaxllmLowbitRows"))
+            ("ATTENTION_TARGET", "JaxllmDecodeAttention"), ("LOWBIT_TARGET", "JaxllmLowbitRows"),
+            ("FLOAT_TARGET", "JaxllmFloatRows"))
 
 
 def build_base(rev: str, out: Path) -> Path:
     """The kernels' library built from revision ``rev``'s sources (same compiler and flags as
-    pallas_kernels.cpu.build)."""
+    pallas_kernels.cpu.build); a source that revision does not have is left out (its kernel's
+    calls then go to the working tree's build in both programs)."""
     import jax
 
     from pallas_kernels import cpu
+    sources = []
     for f in cpu.SOURCES + cpu.HEADERS:
         rel = f.relative_to(ROOT).as_posix()
-        text = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{rel}"], check=True,
-                              capture_output=True, text=True).stdout
-        (out / f.name).write_text(text)
+        got = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{rel}"], capture_output=True,
+                             text=True)
+        if got.returncode != 0:
+            if f in cpu.HEADERS:
+                raise SystemExit(f"kernel_ab: {rev} has no {rel}")
+            continue
+        (out / f.name).write_text(got.stdout)
+        if f in cpu.SOURCES:
+            sources.append(out / f.name)
     lib = out / "base.so"
     cxx = os.environ.get("CXX") or "c++"
-    subprocess.run([cxx, *cpu.FLAGS, "-isystem", jax.ffi.include_dir(),
-                    *(str(out / f.name) for f in cpu.SOURCES), "-o", str(lib)], check=True)
+    subprocess.run([cxx, *cpu.FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, sources),
+                    "-o", str(lib)], check=True)
     return lib
 
 
@@ -74,7 +83,7 @@ def load(fmt: str):
     return cfg, params, tok
 
 
-def compare(fmt: str, a) -> dict:
+def compare(fmt: str, a, in_base: set) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -90,7 +99,8 @@ def compare(fmt: str, a) -> dict:
                              jaxllm.SamplingConfig(max_new_tokens=1)).cache
     sc = jaxllm.SamplingConfig(max_new_tokens=a.new)
     prompt, lens = jnp.asarray([[ids[-1]]], jnp.int32), jnp.ones((1,), jnp.int32)
-    names = {"base": {n: getattr(cpu, n) + "_base" for n, _ in HANDLERS},
+    names = {"base": {n: getattr(cpu, n) + ("_base" if n in in_base else "")
+                      for n, _ in HANDLERS},
              "new": {n: getattr(cpu, n) for n, _ in HANDLERS}}
     loop = gen._generate_jit.__wrapped__
     jits = {k: jax.jit(traced_apart(loop), static_argnames=("cfg", "rule", "width"),
@@ -154,14 +164,16 @@ def main():
                          capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as d:
         lib = ctypes.CDLL(str(build_base(a.base, Path(d))))
+    in_base = {name for name, symbol in HANDLERS if hasattr(lib, symbol)}
     for name, symbol in HANDLERS:
-        jax.ffi.register_ffi_target(getattr(cpu, name) + "_base",
-                                    jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        if name in in_base:
+            jax.ffi.register_ffi_target(getattr(cpu, name) + "_base",
+                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--",
                             "pallas_kernels/csrc"], capture_output=True, text=True).stdout.strip()
     rows = []
     for f in formats:
-        r = compare(f, a)
+        r = compare(f, a, in_base)
         (bw, bc), (nw, nc) = r["base"], r["new"]
         rows.append(f"| {f} | {bw:.2f} | {nw:.2f} | {nw / bw:.2f}x | {bc:.1f} | {nc:.1f} | "
                     f"{nc / bc:.2f}x | {r['spread']['base'][0]:.1f}-{r['spread']['base'][1]:.1f}"
@@ -173,7 +185,9 @@ def main():
     notes = (f"Medians of {a.reps} generate calls of each build, alternated in one process "
              f"(SmolLM2-135M-Instruct, the file's blocks, StreamingLLM 4+1020 holding a "
              f"{a.prompt}-token prompt, {a.new} tokens a call). base: the kernels at {rev}; "
-             f"new: the working tree's" + (" (with uncommitted changes)" if dirty else "") + ".")
+             f"new: the working tree's" + (" (with uncommitted changes)" if dirty else "") + "."
+             + "".join(f" {rev} has no {symbol}: both call the working tree's."
+                       for name, symbol in HANDLERS if name not in in_base))
     record("CPU kernels: two builds alternated in one process (smollm2 decode)", table, notes,
            dry=a.no_record)
 

@@ -9,7 +9,11 @@ number of input rows (decode batch), in one process, best of --calls:
 - narrow weight, ``x_r @ w.astype(f32).T`` per row: the vector-matrix form W8 used before;
 - narrow weight, row reduction ``sum(w[:, None, :] * x[None], -1)``: one loop that reads each
   weight row once for all rows (one row padded to two);
-- ``weight_only_matmul`` as shipped, for int8 and bfloat16 weights.
+- ``weight_only_matmul`` with ``backend="xla"``: the XLA form it chooses for these rows;
+- ``weight_only_matmul`` as shipped: on a CPU with the float kernel
+  (pallas_kernels/csrc/float_rows.cc), the kernel for 2 to ``cpu.FEW_ROWS_FLOAT`` rows (up
+  to ``cpu.FEW_ROWS_FLOAT_WIDE`` for inputs wider than ``cpu.WIDE_INPUT``) and one row of an
+  input wider than XLA fuses.
 
     python benchmarks/weight_only_forms.py
     python benchmarks/weight_only_forms.py --rows 1,8 --no-record
@@ -52,8 +56,9 @@ def main() -> None:
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = ["| weight [out, in] | rows | float32 | int8 per row | int8 row reduction | "
-            "int8 shipped | bf16 per row | bf16 row reduction | bf16 shipped |",
-            "|---|---:|" + "---:|" * 7]
+            "int8 XLA's choice | int8 shipped | bf16 per row | bf16 row reduction | "
+            "bf16 XLA's choice | bf16 shipped |",
+            "|---|---:|" + "---:|" * 9]
     for label, (n_out, n_in) in SHAPES.items():
         w32 = jnp.asarray(rng.standard_normal((n_in, n_out)), F32)  # [in, out], as Linear's
         q = jnp.asarray(rng.integers(-127, 128, (n_out, n_in)), jnp.int8)
@@ -64,7 +69,9 @@ def main() -> None:
             cells = [best_ms(jax.jit(lambda x, w: x @ w), x, w32, n=a.calls)]
             for w in (q, wb):
                 ref = np.asarray(x, np.float64) @ np.asarray(w.astype(F32), np.float64).T
-                for f in (per_row, row_reduce, lambda x, w: weight_only_matmul(x, w, one)):
+                for f in (per_row, row_reduce,
+                          lambda x, w: weight_only_matmul(x, w, one, backend="xla"),
+                          lambda x, w: weight_only_matmul(x, w, one)):
                     fn = jax.jit(f)
                     err = np.abs(np.asarray(fn(x, w)) - ref).max() / np.abs(ref).max()
                     assert err < 1e-5, (label, m, err)  # every form computes the same product
@@ -72,9 +79,15 @@ def main() -> None:
             rows.append(f"| {label} | {m} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
             print(rows[-1], flush=True)
         del w32, q, wb
+    from pallas_kernels import cpu
     record("Weight-only products on XLA:CPU by form (ms per call)",
            f"Best of {a.calls} calls, one process; int8 and bfloat16 weights stored [out, in]; "
-           f"float32 is the float model's product of the same shape:\n\n" + "\n".join(rows),
+           f"float32 is the float model's product of the same shape. Shipped: the float "
+           f"kernel for 2-{cpu.FEW_ROWS_FLOAT} rows ({cpu.FEW_ROWS_FLOAT_WIDE} past "
+           f"{cpu.WIDE_INPUT} inputs, and one row there) where the CPU has it "
+           f"({cpu.status().splitlines()[2]}):\n\n" + "\n".join(rows),
+           notes="What each form does and why the shipped one is chosen: docs/CPU.md, "
+                 "\"Weight-only products\" and \"Float products\".",
            dry=a.no_record)
 
 

@@ -27,8 +27,8 @@ class Kernels:
       kernels: flash prefill, decode over the cache as stored); ``auto``: pallas on GPU and
       TPU; on a CPU blockwise, and a decode step by the C++ kernel where it is built
       (pallas_kernels.cpu.decode_attention; a named form keeps XLA's).
-    * ``int8``: the INT8 and low-bit products (pallas_kernels.resolve_backend): ``xla``,
-      ``cpu`` (the C++ kernels), ``triton``, ``tpu``; ``auto``: by platform.
+    * ``int8``: the INT8, low-bit and weight-only products (pallas_kernels.resolve_backend):
+      ``xla``, ``cpu`` (the C++ kernels), ``triton``, ``tpu``; ``auto``: by platform.
 
     The CLI takes its defaults from ``$JAXLLM_ATTENTION`` and ``$JAXLLM_INT8_BACKEND``
     (:meth:`from_env`, read once where it loads the model); the library reads no variable.

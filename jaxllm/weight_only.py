@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 import pallas_kernels
+from pallas_kernels import cpu as cpu_kernels
 from pallas_kernels.reference import after, computed_once
 
 from .bits import in_widened_groups
@@ -44,10 +45,12 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
     :func:`decode_weights`): ``(x @ qᵀ) · scale``, the per-channel or per-tensor scale applied to
     the product (an outer dimension, as eq. 2).
 
-    On CPU decode's few rows take forms that read the narrow weight in one loop, and only many
-    rows (prefill) convert it whole, in float32 (why: docs/CPU.md, "Weight-only products");
-    elsewhere XLA fuses the conversion into the dot's operand, which is exact (an int8 code fits
-    bfloat16's 8-bit significand).
+    On CPU decode's few rows go to the C++ kernel that widens the weight in registers
+    (pallas_kernels.cpu.float_rows; ``backend="xla"`` keeps XLA's forms), else to XLA forms
+    that read the narrow weight in one loop, and only many rows (prefill) convert it whole, in
+    float32 (why: docs/CPU.md, "Weight-only products" and "Float products"); elsewhere XLA
+    fuses the conversion into the dot's operand, which is exact (an int8 code fits bfloat16's
+    8-bit significand).
 
     Everywhere the product is summed in float32 and scaled in float32, and the result is
     rounded to ``dtype`` once: a bfloat16 dot result scaled in bfloat16 was rounded three times
@@ -65,6 +68,24 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
     compute = jnp.float32 if cpu else dtype
     x2 = x.reshape(-1, n_in).astype(dtype).astype(compute)  # rounded to dtype, then widened
     m = x2.shape[0]
+    if (cpu and pallas_kernels.resolve_backend(backend) == "cpu"
+            and cpu_kernels.float_use_for(m, n_in, q.dtype) and (m > 1 or n_in > VECMAT_MAX_IN)):
+        # Each weight row read once for all the rows, widened in registers: XLA's forms read it
+        # at a third of the memory's rate from two rows on, and at one row of a wide input;
+        # one row of a narrower one is XLA's fused vector-matrix product, as fast (docs/CPU.md,
+        # "Float products"). A program lowered for another platform takes the XLA form.
+        y = cpu_kernels.on_cpu(lambda x2: cpu_kernels.float_rows(x2, q),
+                               lambda x2: _xla_product(x2, q, compute), x2)
+    else:
+        y = _xla_product(x2, q, compute)
+    return (y * scale.astype(jnp.float32)).astype(dtype).reshape(*lead, n_out)
+
+
+def _xla_product(x2: Float[Array, "m i"], q: Array, compute) -> Float[Array, "m o"]:
+    """x2 @ qᵀ in ``compute`` by XLA, in the form that reads ``q`` fastest for ``x2``'s
+    number of rows (weight_only_matmul's)."""
+    cpu = jax.default_backend() == "cpu"
+    m, n_in = x2.shape
     if not cpu or m >= MANY_ROWS:
         # Many rows amortise one float copy of the weight over a large GEMM, which runs faster
         # whole than in pieces.
@@ -104,4 +125,4 @@ def weight_only_matmul(x: Float[Array, "... i"], q: Array, scale: Float[Array, "
             else:
                 y = jnp.concatenate([rows_product(x2[g:g + REDUCE_ROWS])
                                      for g in range(0, m, REDUCE_ROWS)])
-    return (y * scale.astype(jnp.float32)).astype(dtype).reshape(*lead, n_out)
+    return y

@@ -1,6 +1,7 @@
 """Hand-written CPU kernels for decoding, as XLA FFI custom calls: the int8 x int8 -> int32
-product of a few rows for W8A8 (``csrc/int8_rows.cc``), and a decode step's attention against
-the whole KV cache (``csrc/decode_attention.cc``).
+product of a few rows for W8A8 (``csrc/int8_rows.cc``), the 4- and 8-bit weight-only products
+(``csrc/lowbit_rows.cc``), the float and int8 weight-only ones (``csrc/float_rows.cc``), and a
+decode step's attention against the whole KV cache (``csrc/decode_attention.cc``).
 
 Why: XLA:CPU hands a few-row int8 product to YNNPACK, which at 8 rows does about 50 G
 multiply-adds a second on a 2-core machine, so a W8A8 decode step at batch 8 spent more time in
@@ -19,8 +20,8 @@ The kernels are built on first use with the machine's C++ compiler (``$CXX``, el
 ``-march=native``, against the FFI headers that jaxlib ships, into one library cached
 (``$JAXLLM_CACHE_DIR``, else ``~/.cache/jaxllm``) under a key of the sources, the flags, the
 compiler, jaxlib's version and the CPU. They are used only on x86-64 CPUs: the int8 one with
-AVX-512 VNNI (for up to ``FEW_ROWS`` rows), the attention one with AVX-512 or AVX2, the low-bit
-one with AVX2: elsewhere, or when they cannot be built (a warning
+AVX-512 VNNI (for up to ``FEW_ROWS`` rows), the attention and float ones with AVX-512 or AVX2,
+the low-bit one with AVX2: elsewhere, or when they cannot be built (a warning
 says why), XLA computes as before. ``JAXLLM_CPU_KERNELS=0`` turns them off (no build).
 """
 from __future__ import annotations
@@ -45,12 +46,16 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Int8
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "int8_rows.cc", CSRC / "decode_attention.cc", CSRC / "lowbit_rows.cc")
+SOURCES = (CSRC / "int8_rows.cc", CSRC / "decode_attention.cc", CSRC / "lowbit_rows.cc",
+           CSRC / "float_rows.cc")
 HEADERS = (CSRC / "blocks.h",)
 TARGET = "jaxllm_int8_rows"
 TOKEN_TARGET = "jaxllm_int8_rows_token"
 ATTENTION_TARGET = "jaxllm_decode_attention"
 LOWBIT_TARGET = "jaxllm_lowbit_rows"
+FLOAT_TARGET = "jaxllm_float_rows"
+# The weights the float kernel reads (jaxllm.quant.decode_weights' and W8's).
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8)
 # What the attention kernel reads: these cache dtypes (uint16: bfloat16's bits), head dims up to
 # MAX_HEAD_DIM (a query head's weighted value sums then fit in 16 vector registers, so each value
 # row is read once; csrc/decode_attention.cc checks the same bound).
@@ -65,6 +70,12 @@ FEW_ROWS = 64
 # Rows up to which the 4-bit kernel multiplies (each row costs it one FMA per weight, against a
 # GEMM's blocked reuse; a decode step has a row per sequence).
 FEW_ROWS_LOWBIT = 16
+# Rows up to which the float kernel multiplies, in one pass over the weights: past them XLA's
+# row reduction was as fast or faster (4 rows; 2 for inputs wider than WIDE_INPUT columns:
+# Llama-7B's MLP at 4 rows took the kernel 1.2x XLA's time; docs/CPU.md, "Float products").
+FEW_ROWS_FLOAT = 4
+WIDE_INPUT = 3072
+FEW_ROWS_FLOAT_WIDE = 2
 # The kernel's int32 partial sums of (x + 128) * w are exact below this K.
 MAX_K = 65536
 
@@ -99,17 +110,21 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def build(cxx: Optional[str] = None, out_dir: Optional[Path] = None) -> Path:
+def build(cxx: Optional[str] = None, out_dir: Optional[Path] = None,
+          sources: tuple = SOURCES, extra_flags: tuple = ()) -> Path:
     """The kernels' shared library, compiled now unless a cached one has the same key; written
-    atomically (a temporary file renamed into place), so concurrent builds do not collide."""
+    atomically (a temporary file renamed into place), so concurrent builds do not collide.
+    ``sources`` and ``extra_flags`` (after -march=native) build another library: a test builds
+    the AVX2 paths on a machine with AVX-512 (``-mno-avx512f``)."""
+    flags = (*FLAGS, *extra_flags)
     cxx = cxx or os.environ.get("CXX") or "c++"
     exe = shutil.which(cxx)
     if exe is None:
         raise CPUKernelError(f"no C++ compiler {cxx!r} on PATH (set $CXX, or "
                              f"JAXLLM_CPU_KERNELS=0 to use XLA without trying)")
     include = jax.ffi.include_dir()
-    texts = [f.read_text() for f in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), exe, jax.__version__,
+    texts = [f.read_text() for f in (*sources, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), exe, jax.__version__,
                                     _jaxlib_version(), _cpu_id()]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
     lib = out_dir / f"cpu_kernels-{key}.so"
@@ -118,7 +133,7 @@ def build(cxx: Optional[str] = None, out_dir: Optional[Path] = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-partial-", suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [exe, *FLAGS, "-isystem", include, *map(str, SOURCES), "-o", tmp]
+    cmd = [exe, *flags, "-isystem", include, *map(str, sources), "-o", tmp]
     log.info("jaxllm: building the CPU kernels: %s", " ".join(cmd))
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
@@ -168,6 +183,8 @@ def _library() -> tuple[Optional[ctypes.CDLL], str]:
                                 platform="cpu")
     jax.ffi.register_ffi_target(LOWBIT_TARGET, jax.ffi.pycapsule(lib.JaxllmLowbitRows),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(FLOAT_TARGET, jax.ffi.pycapsule(lib.JaxllmFloatRows),
+                                platform="cpu")
     return lib, ""
 
 
@@ -198,13 +215,28 @@ def _why_not_lowbit() -> str:
     return why
 
 
+def _why_not_float() -> str:
+    lib, why = _library()
+    if lib is not None and not lib.jaxllm_float_rows_isa():
+        return "this CPU has neither AVX-512 (F, BW) nor AVX2 with FMA and F16C: XLA's is used"
+    return why
+
+
+def float_isa() -> str:
+    """The instructions the float kernel uses here (AVX-512 where the CPU has it)."""
+    lib, _ = _library()
+    return "AVX-512" if lib is not None and lib.jaxllm_float_rows_isa() == 512 else "AVX2"
+
+
 def status() -> str:
-    """Whether decode's few-row int8 (W8A8), 4- and 8-bit (weight-only) products and its
-    attention use the kernels on this machine, and if not why: three lines."""
-    why8, whya, why4 = _why_not_int8(), _why_not_attention(), _why_not_lowbit()
+    """Whether decode's few-row int8 (W8A8), 4- and 8-bit and float (weight-only) products and
+    its attention use the kernels on this machine, and if not why: four lines."""
+    why8, whya, why4, whyf = (_why_not_int8(), _why_not_attention(), _why_not_lowbit(),
+                              _why_not_float())
     return "\n".join([
         "int8 rows: AVX-512 VNNI kernel" if not why8 else f"int8 rows: XLA ({why8})",
         "4- and 8-bit rows: AVX2 kernel" if not why4 else f"4- and 8-bit rows: XLA ({why4})",
+        f"float rows: {float_isa()} kernel" if not whyf else f"float rows: XLA ({whyf})",
         f"decode attention: {attention_isa()} kernel" if not whya else
         f"decode attention: XLA ({whya})"])
 
@@ -230,6 +262,19 @@ def lowbit_use_for(m: int, bits: int, group: int) -> bool:
     GEMM over the dequantized weight, which is made for them)."""
     return (0 < m <= FEW_ROWS_LOWBIT and bits in (4, 8) and group % 8 == 0
             and lowbit_available())
+
+
+def float_available() -> bool:
+    """The float kernel is built, loaded and registered, and this CPU runs it (AVX-512 or AVX2)."""
+    return not _why_not_float()
+
+
+def float_use_for(m: int, k: int, dtype) -> bool:
+    """Whether a weight-only product of ``m`` rows of length ``k`` with a ``dtype`` weight goes
+    to the float kernel (CPU backend): decode's few rows (more keep XLA's forms)."""
+    few = FEW_ROWS_FLOAT if k <= WIDE_INPUT else FEW_ROWS_FLOAT_WIDE
+    return (0 < m <= few and jnp.dtype(dtype) in map(jnp.dtype, FLOAT_DTYPES)
+            and float_available())
 
 
 def use_for(m: int, k: int) -> bool:
@@ -307,6 +352,20 @@ def lowbit_rows(x: Float[Array, "m k"], codes: Array, scale: Array, offset: Arra
     return jax.ffi.ffi_call(LOWBIT_TARGET, out, vmap_method="sequential")(
         x.astype(jnp.float32), codes, scale, offset, bits=np.int64(bits), group=np.int64(group),
         int8_x=bool(int8_x))
+
+
+def float_rows(x: Float[Array, "m k"], w: Array) -> Float[Array, "m n"]:
+    """x @ wᵀ by the kernel (``csrc/float_rows.cc``) for a weight ``w`` [N, K] in float32,
+    bfloat16, float16 or int8 (its codes; a scale is the caller's): float32 sums."""
+    if not float_available():
+        raise CPUKernelError(f"the float CPU kernel is not available: {_why_not_float()}")
+    if (x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]
+            or jnp.dtype(w.dtype) not in map(jnp.dtype, FLOAT_DTYPES)):
+        raise ValueError(f"float_rows needs x [M, K] and w [N, K] (float32, bfloat16, float16 "
+                         f"or int8) with the same K; got x {x.shape}, w {w.shape} {w.dtype}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(FLOAT_TARGET, out, vmap_method="sequential")(
+        x.astype(jnp.float32), w)
 
 
 def decode_attention(k: Array, v: Array, q: Float[Array, "n rg d"], pick: Int[Array, "b c"],

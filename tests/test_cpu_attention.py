@@ -100,7 +100,7 @@ def test_bad_shapes_and_dtypes_are_named():
 
 def test_decode_uses_the_kernel_where_available():
     """A decode step's jaxpr names the kernel exactly where it is available; the switch
-    ``JAXLLM_CPU_KERNELS=0`` (checked in a fresh process) reports both kernels off."""
+    ``JAXLLM_CPU_KERNELS=0`` (checked in a fresh process) reports every kernel off."""
     from conftest import LLAMA
 
     import jaxllm
@@ -115,6 +115,7 @@ def test_decode_uses_the_kernel_where_available():
                          check=True).stdout.splitlines()
     assert out == ["int8 rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
                    "4- and 8-bit rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
+                   "float rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
                    "decode attention: XLA (turned off by JAXLLM_CPU_KERNELS=0)"]
 
 

@@ -142,6 +142,7 @@ def test_turned_off_by_the_environment():
                          check=True).stdout.splitlines()
     assert out == ["int8 rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
                    "4- and 8-bit rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
+                   "float rows: XLA (turned off by JAXLLM_CPU_KERNELS=0)",
                    "decode attention: XLA (turned off by JAXLLM_CPU_KERNELS=0)", "256.0"]
 
 

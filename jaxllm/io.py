@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import outputs, tree
+from . import outputs, pages, tree
 from .errors import P, SettingError
 from .config import PRESETS, ModelConfig
 from .confine import confined
@@ -232,13 +232,8 @@ def _data_starts(path: str) -> dict:
     return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
-def _read_aligned(f, e: _Stored) -> np.ndarray:
-    """``e``'s tensor read from the open file ``f`` into a new array whose data starts on a
-    64-byte boundary: XLA's CPU client takes such an array as the device buffer itself (no
-    copy; docs/CPU.md, "Peak memory"), where safetensors' arrays start where they may."""
-    raw = np.empty(e.nbytes + 64, np.uint8)
-    at = -raw.ctypes.data % 64
-    buf = raw[at:at + e.nbytes]
+def _read_into(f, e: _Stored, buf: np.ndarray) -> np.ndarray:
+    """``e``'s tensor read from the open file ``f`` into ``buf`` (its bytes), as an array."""
     f.seek(e.start)
     if f.readinto(memoryview(buf)) != e.nbytes:
         raise ValueError(f"{e.file} is shorter than its header says: the file is truncated "
@@ -250,19 +245,22 @@ def _read_placed(flat: dict, sharding) -> dict:
     """The :class:`_Stored` tensors of ``flat`` read and put on ``sharding`` (as :func:`_place`
     takes it) about _PLACE_BATCH bytes at a time, each batch's host copies dropped before the
     next is read: the host copy of the whole model never sits beside its device copy (a
-    load's peak was both; on a CPU the arrays are the device buffers: :func:`_read_aligned`).
+    load's peak was both; on a CPU the arrays are the device buffers). A batch is read into one
+    buffer on 2 MiB pages (:func:`jaxllm.pages.huge_buffer`), each tensor at a multiple of 64
+    bytes.
     One transfer a batch, not a tensor (a transfer each: 0.6 s for SmolLM2's 694)."""
     per = None if sharding is None or isinstance(sharding, jax.sharding.Sharding) else \
         tree.flatten(sharding)
     out, names, size = {}, [], 0
 
     def flush():
-        batch = {}
+        starts, total = pages.at_64([flat[n].nbytes for n in names])
+        at, buf, batch = dict(zip(names, starts)), pages.huge_buffer(total), {}
         for f in dict.fromkeys(flat[name].file for name in names):  # each file opened once
             try:
                 with open(f, "rb") as h:
-                    batch.update({n: _read_aligned(h, flat[n]) for n in names
-                                  if flat[n].file == f})
+                    batch.update({n: _read_into(h, flat[n], buf[at[n]:at[n] + flat[n].nbytes])
+                                  for n in names if flat[n].file == f})
             except OSError as err:
                 raise ValueError(f"{f}: its tensors cannot be read ({err})") from None
         out.update(_place(batch, sharding if per is None else {k: per[k] for k in batch}))

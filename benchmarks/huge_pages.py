@@ -1,0 +1,105 @@
+"""SmolLM2's decode with its weights on 2 MiB pages (as jaxllm loads them on a CPU:
+jaxllm.pages) against the same weights copied by XLA into its own 4 KiB-page buffers, in one
+process, calls alternated (a b, b a, ...; this VM's speed swings by 30% within minutes).
+
+Each call decodes --new tokens after a --prompt-token prompt (StreamingLLM 4+1020); both sets
+of weights must give the same tokens. The process's AnonHugePages (/proc/self/smaps_rollup)
+says how much of the memory the kernel did back with huge pages.
+
+    python benchmarks/huge_pages.py --formats 4bit,bfloat16,float32 --reps 16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+from _record import record, steady_heap  # noqa: E402
+
+FORMATS = ("4bit", "bfloat16", "float32")
+
+
+def huge_mib() -> float:
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def compare(fmt: str, a) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxllm
+    from jaxllm import quant
+    from jaxllm.corpus import builtin_corpus
+    cfg, params, tok = jaxllm.load_model("smollm2", keep_quantized=fmt == "4bit")
+    if fmt == "bfloat16":
+        params = quant.decode_weights(params, fmt)
+    sets = {"2 MiB": params, "4 KiB": jax.tree.map(jnp.copy, params)}
+    huge = huge_mib()
+    ids = tok.encode(builtin_corpus())[:a.prompt]
+    prompt = jnp.asarray([ids], jnp.int32)
+    filled = jaxllm.generate(params, cfg, prompt, jaxllm.init_cache(cfg, 1, sinks=4, window=1020),
+                             jaxllm.SamplingConfig(max_new_tokens=1)).cache
+    sc = jaxllm.SamplingConfig(max_new_tokens=a.new)
+
+    def run(k):
+        cache = jax.tree.map(lambda x: x.copy(), filled)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        out = jaxllm.generate(sets[k], cfg, prompt[:, -1:], cache, sc)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / a.new * 1e3, np.asarray(out.tokens)
+
+    keys = list(sets)
+    same = bool((run(keys[0])[1] == run(keys[1])[1]).all())
+    times = {k: [] for k in keys}
+    for i in range(a.reps):
+        for k in (keys if i % 2 else keys[::-1]):
+            times[k].append(run(k)[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"med": med, "spread": {k: (min(v), max(v)) for k, v in times.items()},
+            "same": same, "huge": huge,
+            "bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="4bit,bfloat16,float32", help="of " + ", ".join(FORMATS))
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64, help="tokens decoded per call")
+    ap.add_argument("--reps", type=int, default=16, help="calls of each set, alternated")
+    ap.add_argument("--no-record", action="store_true")
+    a = ap.parse_args()
+    rows = ["| weights | MiB | AnonHugePages MiB | 4 KiB pages ms/token | 2 MiB pages ms/token | "
+            "2 MiB / 4 KiB | same tokens |", "|---|---:|---:|---:|---:|---:|---|"]
+    for fmt in a.formats.split(","):
+        if fmt not in FORMATS:
+            raise SystemExit(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+        r = compare(fmt, a)
+        m, s = r["med"], r["spread"]
+        rows.append(f"| {fmt} | {r['bytes'] / 2**20:.0f} | {r['huge']:.0f} | {m['4 KiB']:.2f} "
+                    f"({s['4 KiB'][0]:.2f}-{s['4 KiB'][1]:.2f}) | {m['2 MiB']:.2f} "
+                    f"({s['2 MiB'][0]:.2f}-{s['2 MiB'][1]:.2f}) | "
+                    f"{m['2 MiB'] / m['4 KiB']:.3f}x | {'yes' if r['same'] else 'NO'} |")
+        print(rows[-1], flush=True)
+    record("Weights on 2 MiB pages against 4 KiB pages (smollm2 decode)",
+           f"Medians of {a.reps} generate calls of each set, alternated in one process (range in "
+           f"brackets); {a.new} tokens a call after a {a.prompt}-token prompt, StreamingLLM "
+           f"4+1020. The 4 KiB set is the same weights copied by XLA (jnp.copy):\n\n"
+           + "\n".join(rows), dry=a.no_record)
+
+
+if __name__ == "__main__":
+    steady_heap()  # before XLA starts its threads: see _record.steady_heap
+    main()

@@ -251,29 +251,20 @@ def _read_placed(flat: dict, sharding) -> dict:
     One transfer a batch, not a tensor (a transfer each: 0.6 s for SmolLM2's 694)."""
     per = None if sharding is None or isinstance(sharding, jax.sharding.Sharding) else \
         tree.flatten(sharding)
-    out, names, size = {}, [], 0
-
-    def flush():
+    out, every = {}, list(flat)
+    for batch in pages.in_batches([flat[n].nbytes for n in every], _PLACE_BATCH):
+        names = [every[i] for i in batch]
         starts, total = pages.at_64([flat[n].nbytes for n in names])
-        at, buf, batch = dict(zip(names, starts)), pages.huge_buffer(total), {}
+        at, buf, read = dict(zip(names, starts)), pages.huge_buffer(total), {}
         for f in dict.fromkeys(flat[name].file for name in names):  # each file opened once
             try:
                 with open(f, "rb") as h:
-                    batch.update({n: _read_into(h, flat[n], buf[at[n]:at[n] + flat[n].nbytes])
-                                  for n in names if flat[n].file == f})
+                    read.update({n: _read_into(h, flat[n], buf[at[n]:at[n] + flat[n].nbytes])
+                                 for n in names if flat[n].file == f})
             except OSError as err:
                 raise ValueError(f"{f}: its tensors cannot be read ({err})") from None
-        out.update(_place(batch, sharding if per is None else {k: per[k] for k in batch}))
-        names.clear()
-
-    for name, e in flat.items():
-        names.append(name)
-        size += e.nbytes
-        if size >= _PLACE_BATCH:
-            flush()
-            size = 0
-    if names:
-        flush()
+        out.update(_place(read, sharding if per is None else {k: per[k] for k in read}))
+        del buf, read  # this batch's host copies (kept as the arrays on a CPU), before the next
     return out
 
 

@@ -33,6 +33,19 @@ def huge_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(mm, np.uint8)
 
 
+def in_batches(sizes: list[int], limit: int) -> list[list[int]]:
+    """The indices of ``sizes`` in consecutive batches, each closed once its bytes reach
+    ``limit``."""
+    out, size = [[]], 0
+    for i, n in enumerate(sizes):
+        out[-1].append(i)
+        size += n
+        if size >= limit:
+            out.append([])
+            size = 0
+    return [b for b in out if b]
+
+
 def at_64(sizes: list[int]) -> tuple[list[int], int]:
     """Where arrays of ``sizes`` bytes start in one buffer, each at a multiple of 64 bytes, and
     the buffer's size."""
@@ -54,9 +67,8 @@ def on_huge_pages(params, keep=()):
                        for x in leaves)):
         return params
     kept = {id(x) for x in jax.tree.leaves(keep)}
-    out, batch, size = list(leaves), [], 0
-
-    def move():
+    out = list(leaves)
+    for batch in in_batches([x.nbytes for x in leaves], BATCH):
         starts, total = at_64([leaves[i].nbytes for i in batch])
         buf = huge_buffer(total)
         views = [_copied(leaves[i], buf, at) for i, at in zip(batch, starts)]
@@ -65,16 +77,6 @@ def on_huge_pages(params, keep=()):
             if id(leaves[i]) not in kept:
                 leaves[i].delete()
             out[i] = x
-        batch.clear()
-
-    for i, x in enumerate(leaves):
-        batch.append(i)
-        size += x.nbytes
-        if size >= BATCH:
-            move()
-            size = 0
-    if batch:
-        move()
     return jax.tree.unflatten(treedef, out)
 
 

@@ -174,6 +174,45 @@ def time_generate(params, cfg, cache, steps: int):
     return (time.perf_counter() - t0) / (steps + 1) * 1e3, cache
 
 
+def alternated_generate(runs: dict, prompt, new: int, reps: int) -> dict:
+    """Decode speed of several (params, cfg) pairs over one prompt, in one process: a
+    StreamingLLM 4+1020 cache filled with ``prompt`` [B, T] once, then ``reps`` calls of
+    ``jaxllm.generate`` for each pair, ``new`` tokens each from a copy of that cache, the pairs'
+    calls alternated (a b, b a, ...: a shared machine's speed swings within minutes).
+    {"med": ms a token by name, "spread": (min, max) by name, "same": the fraction of tokens
+    the first two pairs' first calls share}."""
+    import statistics
+    import time
+
+    import jax
+    import numpy as np
+
+    import jaxllm
+    params, cfg = next(iter(runs.values()))
+    filled = jaxllm.generate(params, cfg, prompt, jaxllm.init_cache(cfg, prompt.shape[0],
+                                                                    sinks=4, window=1020),
+                             jaxllm.SamplingConfig(max_new_tokens=1)).cache
+    sc = jaxllm.SamplingConfig(max_new_tokens=new)
+
+    def run(k):
+        cache = jax.tree.map(lambda x: x.copy(), filled)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        out = jaxllm.generate(*runs[k], prompt[:, -1:], cache, sc)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / new * 1e3, np.asarray(out.tokens)
+
+    keys = list(runs)
+    first = [run(k)[1] for k in keys]  # compiles each
+    times = {k: [] for k in keys}
+    for i in range(reps):
+        for k in (keys if i % 2 == 0 else keys[::-1]):
+            times[k].append(run(k)[0])
+    return {"med": {k: statistics.median(v) for k, v in times.items()},
+            "spread": {k: (min(v), max(v)) for k, v in times.items()},
+            "same": float((first[0] == first[1]).mean())}
+
+
 def record(title: str, table: str, notes: str = "", dry: bool = False) -> None:
     """Print ``table`` and record it with machine, date and command: docs/BENCHMARKS.md's
     section of this title replaced, docs/BENCHMARKS-ARCHIVE.md appended (``dry``: print the

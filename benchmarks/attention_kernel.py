@@ -70,8 +70,8 @@ def main():
                 del runs
     record(f"Decode step with and without the CPU attention kernel ({a.preset}, "
            f"{cpu.attention_isa()})",
-           f"Median of {a.rounds} rounds each, the two interleaved ({cpu.status().splitlines()[2]}):"
-           "\n\n" + "\n".join(lines), dry=a.no_record)
+           f"Median of {a.rounds} rounds each, the two interleaved "
+           f"({cpu.status_line('decode attention')}):\n\n" + "\n".join(lines), dry=a.no_record)
 
 
 if __name__ == "__main__":

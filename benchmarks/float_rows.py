@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from _record import record, steady_heap  # noqa: E402
+from _record import alternated_generate, record, steady_heap  # noqa: E402
 
 FORMATS = ("bfloat16", "float16", "w8")
 
@@ -43,38 +41,14 @@ def convert(fmt: str, cfg, params, ids):
 
 
 def compare(fmt: str, batch: int, a, ids, loaded) -> dict:
-    import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    import jaxllm
     from jaxllm.config import Kernels
     cfg, params = loaded
-    cfgs = {"kernel": cfg, "xla": dataclasses.replace(cfg, kernels=Kernels(int8="xla"))}
-    prompt = jnp.asarray([ids] * batch, jnp.int32)
-    filled = jaxllm.generate(params, cfg, prompt, jaxllm.init_cache(cfg, batch, sinks=4,
-                                                                    window=1020),
-                             jaxllm.SamplingConfig(max_new_tokens=1)).cache
-    last = prompt[:, -1:]
-    sc = jaxllm.SamplingConfig(max_new_tokens=a.new)
-
-    def run(k):
-        cache = jax.tree.map(lambda x: x.copy(), filled)
-        jax.block_until_ready(cache)
-        t0 = time.perf_counter()
-        out = jaxllm.generate(params, cfgs[k], last, cache, sc)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / a.new * 1e3, np.asarray(out.tokens)
-
-    first = {k: run(k)[1] for k in cfgs}  # compiles each
-    times = {k: [] for k in cfgs}
-    for i in range(a.reps):
-        for k in (("kernel", "xla") if i % 2 == 0 else ("xla", "kernel")):
-            times[k].append(run(k)[0])
-    med = {k: statistics.median(v) for k, v in times.items()}
-    same = float((first["kernel"] == first["xla"]).mean())
-    return {"format": fmt, "batch": batch, **med, "same": same,
-            "spread": {k: (min(v), max(v)) for k, v in times.items()}}
+    xla = dataclasses.replace(cfg, kernels=Kernels(int8="xla"))
+    r = alternated_generate({"kernel": (params, cfg), "xla": (params, xla)},
+                            jnp.asarray([ids] * batch, jnp.int32), a.new, a.reps)
+    return {"format": fmt, "batch": batch, **r["med"], "same": r["same"], "spread": r["spread"]}
 
 
 def main():
@@ -107,7 +81,7 @@ def main():
     record("Float kernel against XLA's forms in SmolLM2's decode (ms per step)",
            f"Medians of {a.reps} calls each, alternated in one process (range in brackets); "
            f"{a.new} tokens a call after a {a.prompt}-token prompt, StreamingLLM 4+1020; "
-           f"{cpu.status().splitlines()[2]}:\n\n" + "\n".join(rows), dry=a.no_record)
+           f"{cpu.status_line('float rows')}:\n\n" + "\n".join(rows), dry=a.no_record)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from _record import record, steady_heap  # noqa: E402
+from _record import alternated_generate, record, steady_heap  # noqa: E402
 
 FORMATS = ("4bit", "bfloat16", "float32")
 
@@ -37,7 +35,6 @@ def huge_mib() -> float:
 def compare(fmt: str, a) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import jaxllm
     from jaxllm import quant
@@ -45,32 +42,12 @@ def compare(fmt: str, a) -> dict:
     cfg, params, tok = jaxllm.load_model("smollm2", keep_quantized=fmt == "4bit")
     if fmt == "bfloat16":
         params = quant.decode_weights(params, fmt)
-    sets = {"2 MiB": params, "4 KiB": jax.tree.map(jnp.copy, params)}
     huge = huge_mib()
     ids = tok.encode(builtin_corpus())[:a.prompt]
-    prompt = jnp.asarray([ids], jnp.int32)
-    filled = jaxllm.generate(params, cfg, prompt, jaxllm.init_cache(cfg, 1, sinks=4, window=1020),
-                             jaxllm.SamplingConfig(max_new_tokens=1)).cache
-    sc = jaxllm.SamplingConfig(max_new_tokens=a.new)
-
-    def run(k):
-        cache = jax.tree.map(lambda x: x.copy(), filled)
-        jax.block_until_ready(cache)
-        t0 = time.perf_counter()
-        out = jaxllm.generate(sets[k], cfg, prompt[:, -1:], cache, sc)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / a.new * 1e3, np.asarray(out.tokens)
-
-    keys = list(sets)
-    same = bool((run(keys[0])[1] == run(keys[1])[1]).all())
-    times = {k: [] for k in keys}
-    for i in range(a.reps):
-        for k in (keys if i % 2 else keys[::-1]):
-            times[k].append(run(k)[0])
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"med": med, "spread": {k: (min(v), max(v)) for k, v in times.items()},
-            "same": same, "huge": huge,
-            "bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
+    r = alternated_generate({"2 MiB": (params, cfg),
+                             "4 KiB": (jax.tree.map(jnp.copy, params), cfg)},
+                            jnp.asarray([ids], jnp.int32), a.new, a.reps)
+    return {**r, "huge": huge, "bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
 
 
 def main():
@@ -91,7 +68,7 @@ def main():
         rows.append(f"| {fmt} | {r['bytes'] / 2**20:.0f} | {r['huge']:.0f} | {m['4 KiB']:.2f} "
                     f"({s['4 KiB'][0]:.2f}-{s['4 KiB'][1]:.2f}) | {m['2 MiB']:.2f} "
                     f"({s['2 MiB'][0]:.2f}-{s['2 MiB'][1]:.2f}) | "
-                    f"{m['2 MiB'] / m['4 KiB']:.3f}x | {'yes' if r['same'] else 'NO'} |")
+                    f"{m['2 MiB'] / m['4 KiB']:.3f}x | {'yes' if r['same'] == 1 else 'NO'} |")
         print(rows[-1], flush=True)
     record("Weights on 2 MiB pages against 4 KiB pages (smollm2 decode)",
            f"Medians of {a.reps} generate calls of each set, alternated in one process (range in "

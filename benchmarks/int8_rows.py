@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     notes = (f"{a.model}, {a.layers or cfg.num_layers} layers: {len(ws)} int8 weights "
              f"({nbytes / 2**20:.0f} MiB) chained, each product's output the next one's input; "
              f"best of {a.reps} alternating rounds of best-of-10; int32 results equal. "
-             f"{pk.cpu.status().splitlines()[0]}.")
+             f"{pk.cpu.status_line('int8 rows')}.")
     record(f"INT8 rows: XLA int8 dot vs the VNNI kernel ({a.model}, CPU)", "\n".join(rows),
            notes, dry=a.no_record)
     return 0

@@ -85,7 +85,7 @@ def main() -> None:
            f"float32 is the float model's product of the same shape. Shipped: the float "
            f"kernel for 2-{cpu.FEW_ROWS_FLOAT} rows ({cpu.FEW_ROWS_FLOAT_WIDE} past "
            f"{cpu.WIDE_INPUT} inputs, and one row there) where the CPU has it "
-           f"({cpu.status().splitlines()[2]}):\n\n" + "\n".join(rows),
+           f"({cpu.status_line('float rows')}):\n\n" + "\n".join(rows),
            notes="What each form does and why the shipped one is chosen: docs/CPU.md, "
                  "\"Weight-only products\" and \"Float products\".",
            dry=a.no_record)

@@ -241,6 +241,12 @@ def status() -> str:
         f"decode attention: XLA ({whya})"])
 
 
+def status_line(kernel: str) -> str:
+    """The line of :func:`status` for ``kernel``: "int8 rows", "4- and 8-bit rows", "float rows"
+    or "decode attention"."""
+    return next(x for x in status().splitlines() if x.startswith(kernel + ":"))
+
+
 def available() -> bool:
     """The int8 kernel is built, loaded and registered, and this CPU runs it (VNNI)."""
     return not _why_not_int8()

@@ -3,6 +3,7 @@ float64 product: the kernel sums in float32 in another order than XLA, so result
 float32 rounding), not equal. It needs a C++ compiler and AVX-512 or AVX2 with FMA and F16C;
 without them these tests skip, saying why."""
 import ctypes
+import os
 
 import jax
 import jax.numpy as jnp
@@ -118,3 +119,13 @@ def test_the_kernel_refuses_shapes_it_does_not_take():
         cpu.float_rows(jnp.ones((1, 8)), jnp.ones((3, 9), jnp.bfloat16))
     with pytest.raises(ValueError, match="int8"):
         cpu.float_rows(jnp.ones((1, 8)), jnp.ones((3, 8), jnp.uint8))
+
+
+@needs_kernel
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags")
+def test_the_status_names_the_kernel_and_the_cpus_instructions():
+    """status_line finds the float kernel's line of status(), which names AVX-512 exactly when
+    the CPU's own flags (/proc/cpuinfo; the build is -march=native) have AVX-512 F and BW."""
+    flags = next(x for x in open("/proc/cpuinfo") if x.startswith("flags")).split()
+    isa = "AVX-512" if {"avx512f", "avx512bw"} <= set(flags) else "AVX2"
+    assert cpu.status_line("float rows") == f"float rows: {isa} kernel"

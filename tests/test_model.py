@@ -115,9 +115,9 @@ def test_config_errors():
 
 def test_a_load_reads_the_weights_a_batch_at_a_time(tmp_path, monkeypatch):
     """A safetensors model's tensors are read into one buffer a batch (asked of the kernel on
-    2 MiB pages) and put on the device a batch at a time. Elsewhere than a CPU a batch's host
-    buffer is gone before the next is read (the host copy of the whole model never sits beside
-    its device copy); on a CPU the buffers are the device's own, every array inside one (no
+    2 MiB pages) and put on the device a batch at a time. Elsewhere than a CPU at most the
+    previous batch's host buffer is alive when the next is made (the host copy of the whole
+    model never sits beside its device copy); on a CPU the buffers are the device's own, every array inside one (no
     second copy). Sharded and int8 models load as they were saved."""
     import weakref
 
@@ -152,7 +152,8 @@ def test_a_load_reads_the_weights_a_batch_at_a_time(tmp_path, monkeypatch):
                 p = x.unsafe_buffer_pointer()
                 assert any(a <= p < b for a, b in spans), name
         else:
-            assert not any(live_before), (name, live_before)
+            # at most the batch before (its transfer may still be in flight), never the model's
+            assert max(live_before) <= 1, (name, live_before)
     if os.path.exists("/proc/self/smaps"):  # each buffer asked for huge pages ("hg")
         buf = huge_buffer(4 << 20)
         start = f"{buf.ctypes.data:x}-"

@@ -6,7 +6,7 @@ Each call decodes --new tokens after a --prompt-token prompt (StreamingLLM 4+102
 of weights must give the same tokens. The process's AnonHugePages (/proc/self/smaps_rollup)
 says how much of the memory the kernel did back with huge pages.
 
-    python benchmarks/huge_pages.py --formats 4bit,bfloat16,float32 --reps 16
+    python benchmarks/huge_pages.py --formats 4bit,bfloat16,w8,float32 --reps 16
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from _record import alternated_generate, record, steady_heap  # noqa: E402
 
-FORMATS = ("4bit", "bfloat16", "float32")
+FORMATS = ("4bit", "bfloat16", "w8", "float32")
 
 
 def huge_mib() -> float:
@@ -35,15 +35,23 @@ def huge_mib() -> float:
 def compare(fmt: str, a) -> dict:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     import jaxllm
     from jaxllm import quant
     from jaxllm.corpus import builtin_corpus
     cfg, params, tok = jaxllm.load_model("smollm2", keep_quantized=fmt == "4bit")
+    ids = tok.encode(builtin_corpus())[:a.prompt]
     if fmt == "bfloat16":
         params = quant.decode_weights(params, fmt)
+    elif fmt == "w8":  # int8 weight-only, made in the process (smoothquant.quantize)
+        params = jaxllm.smoothquant.quantize(
+            params, cfg, np.asarray(ids * 4, np.int32)[:4 * 64], "w8", smooth=False,
+            calib=jaxllm.CalibConfig(n_seqs=4, seq_len=64, batch=4))
+    # JAX lets go of a deleted array's host buffer (the float32 load's, here) at its next
+    # operation: one first, so the count is of the weights decoded from
+    jnp.zeros(()).block_until_ready()
     huge = huge_mib()
-    ids = tok.encode(builtin_corpus())[:a.prompt]
     r = alternated_generate({"2 MiB": (params, cfg),
                              "4 KiB": (jax.tree.map(jnp.copy, params), cfg)},
                             jnp.asarray([ids], jnp.int32), a.new, a.reps)
@@ -52,7 +60,7 @@ def compare(fmt: str, a) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default="4bit,bfloat16,float32", help="of " + ", ".join(FORMATS))
+    ap.add_argument("--formats", default="4bit,bfloat16,w8,float32", help="of " + ", ".join(FORMATS))
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64, help="tokens decoded per call")
     ap.add_argument("--reps", type=int, default=16, help="calls of each set, alternated")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import tree
+from . import pages, tree
 from .config import ModelConfig
 from .model import apply, init_params
 from .quant import QMAX, QAttention, QKernel, is_quantized, quantize_rows, quantize_weight
@@ -267,8 +267,13 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
                                int8_attention, per_channel, **keep)
 
     info = {"scheme": scheme, "smooth": smooth, "real": real, "int8_attention": int8_attention, **keep}
+
+    def final(q):  # the model returned: its weights on 2 MiB pages, as a load's are
+        q = pages.on_huge_pages(q, keep=params)
+        return (q, info) if return_info else q
+
     if not smooth:
-        return (build(None), info) if return_info else build(None)
+        return final(build(None))
     if auto:
         losses = {}
         grid = AUTO_GRID
@@ -280,8 +285,7 @@ def quantize(params, cfg: ModelConfig, calib_tokens, scheme: str = "o1",
         alpha = min(losses, key=losses.get)
         info["losses"] = {str(k): v for k, v in losses.items()}
     info["alpha"] = float(alpha)
-    q = build(alpha)
-    return (q, info) if return_info else q
+    return final(build(alpha))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

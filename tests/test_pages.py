@@ -73,3 +73,23 @@ def test_decode_weights_puts_its_arrays_on_huge_pages_and_leaves_its_input_alone
             assert " hg" in smaps_flags(q.unsafe_buffer_pointer())
     shapes = jax.eval_shape(lambda p: quant.decode_weights(p, "bfloat16"), params)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
+
+
+@cpu_only
+def test_smoothquant_puts_the_model_it_returns_on_huge_pages_and_leaves_its_input_alone():
+    """W8 made in the process is decoded from 2 MiB pages too, as a saved W8 model loaded back
+    is; the float model it was made from stays the caller's, intact."""
+    from conftest import LLAMA
+
+    import jaxllm
+    from jaxllm import smoothquant as sq
+    params = jaxllm.init_params(LLAMA, jax.random.key(0))
+    want = jax.tree.map(np.asarray, params)
+    ids = np.random.default_rng(0).integers(0, LLAMA.vocab_size, 4 * 16)
+    q = sq.quantize(params, LLAMA, ids, "w8", smooth=False,
+                    calib=sq.CalibConfig(n_seqs=2, seq_len=16, batch=2))
+    jax.tree.map(np.testing.assert_array_equal, want, jax.tree.map(np.asarray, params))
+    codes = q["layer_0"]["mlp"]["up"]["kernel"].q
+    assert codes.dtype == jnp.int8
+    if os.path.exists("/proc/self/smaps"):
+        assert " hg" in smaps_flags(codes.unsafe_buffer_pointer())

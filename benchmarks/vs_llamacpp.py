@@ -4,8 +4,9 @@ Every measurement is a fresh process (so load time and peak memory are its own),
 programs alternated run by run: jaxllm in each weight format (float32 as loaded, bfloat16,
 int8 weight-only W8, the file's 4-bit blocks kept, and kept with their inputs rounded to 8
 bits as llama.cpp's are, 4bit-a8: jaxllm.lowbit.round_inputs) with a dense and a StreamingLLM
-4+1020 cache, and llama.cpp through llama-cpp-python, which is never a jaxllm dependency:
-build it in an environment of its own and pass that environment's Python,
+4+1020 cache (float16 by default, as llama.cpp's own cache is: ``--kv-dtypes``), and llama.cpp
+through llama-cpp-python, which is never a jaxllm dependency: build it in an environment of
+its own and pass that environment's Python,
 
     python -m venv ~/llama-env && ~/llama-env/bin/pip install llama-cpp-python==0.3.36
     python benchmarks/vs_llamacpp.py --llama-python ~/llama-env/bin/python
@@ -86,10 +87,13 @@ def worker_jaxllm(a) -> dict:
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     prompt = jnp.asarray([ids], jnp.int32)
 
+    dtype = getattr(jnp, a.kv_dtype)
+
     def cache():
         if a.cache == "dense":
-            return jaxllm.init_cache(cfg, 1, sinks=0, window=len(ids) + a.new + 1, ring=False)
-        return jaxllm.init_cache(cfg, 1, sinks=4, window=1020)
+            return jaxllm.init_cache(cfg, 1, sinks=0, window=len(ids) + a.new + 1, ring=False,
+                                     dtype=dtype)
+        return jaxllm.init_cache(cfg, 1, sinks=4, window=1020, dtype=dtype)
 
     def run(n):
         out = jaxllm.generate(params, cfg, prompt, cache(), jaxllm.SamplingConfig(
@@ -336,8 +340,10 @@ def speed_table(a) -> None:
     from _record import machine, record
     rate = read_rate_gbs()
     runs: dict = {}
-    combos = [("llama", "-", "dense")] + [("jaxllm", f, c) for f in a.formats.split(",")
-                                          for c in a.caches.split(",")]
+    combos = [("llama", "-", "dense")] + [("jaxllm", f, f"{c} {d}")
+                                          for f in a.formats.split(",")
+                                          for c in a.caches.split(",")
+                                          for d in a.kv_dtypes.split(",")]
     floats = {f: None for f in a.llama_floats.split(",") if f}
     where = tempfile.mkdtemp(prefix="llama-floats-")
     try:
@@ -347,8 +353,10 @@ def speed_table(a) -> None:
         combos[1:1] = [("llama", f, "dense") for f in floats]
         for rep in range(a.repeats):
             for kind, fmt, cache in combos:
+                over = ({} if kind == "llama" else
+                        dict(cache=cache.split()[0], kv_dtype=cache.split()[1]))
                 r = spawn(a.llama_python if kind == "llama" else sys.executable, kind, a,
-                          format=fmt, cache=cache,
+                          format=fmt, **over,
                           **({"gguf": floats[fmt]} if fmt in floats and kind == "llama" else {}))
                 runs.setdefault((kind, fmt, cache), []).append(r)
                 print(f"run {rep + 1}: {kind} {fmt} {cache}: decode "
@@ -377,7 +385,7 @@ def speed_table(a) -> None:
         what = fmt if kind == "jaxllm" else (
             "the file (Q4_1)" if fmt == "-" else f"the file's, {fmt} (llama_model_quantize)")
         lines.append(f"| {'llama.cpp' if kind == 'llama' else 'jaxllm'} | {what} | "
-                     f"{'dense' if kind == 'llama' else cache} | {med('load_s', rs):.2f} | "
+                     f"{'dense float16' if kind == 'llama' else cache} | {med('load_s', rs):.2f} | "
                      f"{pre:.0f} | {tps:.1f} | {cpu * 1e3:.0f} | {med('peak_mib', rs):.0f} | "
                      f"{tps / b_tps:.2f}x | {cpu / b_cpu:.2f}x | {pre / b_pre:.2f}x | {same} | "
                      f"{floor} |")
@@ -386,14 +394,16 @@ def speed_table(a) -> None:
                     min(len(t), len(base[0]["tokens"])))
     same = ", ".join(f"{'llama.cpp ' + f if k == 'llama' else f} {c}: "
                      f"{min(shared(r['tokens']) for r in rs)}" for (k, f, c), rs in runs.items())
-    notes = (f"`python benchmarks/vs_llamacpp.py --llama-python ... --prompt {a.prompt} --new "
+    notes = (f"`python benchmarks/vs_llamacpp.py --llama-python ... --formats {a.formats} "
+             f"--caches {a.caches} --kv-dtypes {a.kv_dtypes} --prompt {a.prompt} --new "
              f"{a.new} --repeats {a.repeats}` on {machine()}; {os.path.basename(a.gguf)}; "
              f"medians of {a.repeats} runs alternated; read rate {rate:.1f} GB/s (numpy sums, "
              f"one a core); "
              f"greedy tokens in common with llama.cpp's first answer before they part (the "
              f"fewest of the runs; llama.cpp rounds the activations to 8 bits for its Q4_1 "
-             f"products): {same}. Dense: llama.cpp's own cache (float16) and jaxllm's "
-             f"(float32) hold the prompt and the answer; StreamingLLM: 4 sinks + 1,020 slots. "
+             f"products): {same}. Dense: the cache holds the prompt and the answer (llama.cpp's "
+             f"own cache, float16); StreamingLLM: 4 sinks + 1,020 slots; the KV cache's dtype "
+             f"after its kind (float16: llama.cpp's, and `jaxllm chat`'s default). "
              f"llama.cpp's float rows run the file's weights converted by its own quantizer "
              f"(the blocks dequantized, as jaxllm's float loads of the file are); the same-format "
              f"column compares jaxllm's float32 and bfloat16 rows with them. The floor: the "
@@ -430,7 +440,7 @@ def spawn(python: str, kind: str, a, env=None, **over) -> dict:
     args = [python, os.path.abspath(__file__), "--worker", kind, "--gguf", a.gguf, "--ids",
             a.ids, "--new", str(a.new)]
     for k, v in over.items():
-        args += [f"--{k}", str(v)]
+        args += [f"--{k.replace('_', '-')}", str(v)]
     r = subprocess.run(args, capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"{kind} {over} failed:\n{r.stderr[-3000:]}")
@@ -442,6 +452,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--format", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default="streaming", help=argparse.SUPPRESS)
+    ap.add_argument("--kv-dtype", default="float16", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help="the GGUF file (default: SmolLM2's, packaged)")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
@@ -450,6 +461,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternated runs of each")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--caches", default="dense,streaming")
+    ap.add_argument("--kv-dtypes", default="float16",
+                    help="jaxllm's KV cache dtypes (comma-separated; default float16, the dtype "
+                         "of llama.cpp's own cache and of `jaxllm chat`'s)")
     ap.add_argument("--llama-floats", default="float32,bfloat16",
                     help="llama.cpp also on the file's weights in these float formats (written "
                          "by its quantizer to a temporary directory; '' for none)")

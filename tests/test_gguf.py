@@ -584,6 +584,15 @@ def test_a_layer_count_beyond_the_file_is_refused_at_once(tmp_path):
         jg.from_gguf(str(path))
 
 
+def test_the_weights_a_load_reports_are_the_models_in_every_form(real):
+    """The count `jaxllm chat` prints on loading is transformers' parameter count whether the
+    weights are float or the file's packed blocks (which once counted 50M of 135M)."""
+    from jaxllm.cli.common import _weight_count, load
+    want = sum(p.numel() for p in real[0].parameters())
+    for how in ({}, {"keep_quantized": True}, {"weights": "bfloat16"}):
+        assert _weight_count(load("smollm2", **how)[1]) == want, how
+
+
 def test_the_decoding_commands_keep_a_gguf_files_blocks_by_default():
     """chat, generate and serve load a GGUF file's 4- and 8-bit blocks unless --weights names
     a float dtype; other models, and the other commands, load as before."""

@@ -69,12 +69,13 @@ def cmd_chat(a) -> None:
     # transient over less memory (docs/CPU.md, "Peak memory"). At a terminal the rest of a
     # turn's programs load in the background after them, while the user types.
     cache = answer = loaded = None
+    again = False
     shaped = load(a.model, shapes_only=True, **how)
     if shaped is None:  # a GGUF file's first load converts it: the shapes are there after it
         loaded = load(a.model, **how)
         shaped = load(a.model, shapes_only=True, **how)
         if shaped is not None:  # compiled without the weights in memory, then read again
-            loaded = None
+            loaded, again = None, True
             return_freed_memory()
     if shaped is not None:
         cache, capacity = streaming_cache(a, shaped[0], pc)
@@ -84,7 +85,7 @@ def cmd_chat(a) -> None:
         # SmolLM2) is not needed again.
         jax.clear_caches()
         return_freed_memory()
-    cfg, params, tok = loaded or load(a.model, **how)
+    cfg, params, tok = loaded or load(a.model, again=again, **how)
     del loaded
     if cache is None:
         cache, capacity = streaming_cache(a, cfg, pc)

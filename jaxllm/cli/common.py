@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from typing import Optional
@@ -198,7 +199,7 @@ def add_keep_quantized_arg(p: argparse.ArgumentParser, default: bool = False) ->
 
 def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
          keep_quantized: bool = False, file_blocks: bool = False, int8_inputs: bool = False,
-         shapes_only: bool = False):
+         shapes_only: bool = False, again: bool = False):
     """``(cfg, params, tokenizer)`` of ``--model``, with its warnings; bad input -> CliError.
     ``weights``: "stored", or a dtype for :func:`jaxllm.quant.decode_weights`;
     ``keep_quantized``: a GGUF file's 4- and 8-bit linears kept as they are; ``file_blocks``:
@@ -206,7 +207,8 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
     twice float32's decode speed on a CPU, docs/CPU.md); ``int8_inputs``: 4-bit products take
     their input rounded to 8 bits (jaxllm.lowbit.round_inputs). ``shapes_only``: the same
     parameters as jax.ShapeDtypeStruct leaves, their data not read, or None where the model
-    does not give them so (jaxllm.io.load_model); nothing is said or checked."""
+    does not give them so (jaxllm.io.load_model); nothing is said or checked. ``again``: the
+    model was loaded (and converted) before in this process, which the status line says."""
     import time
 
     import jax
@@ -228,15 +230,16 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
         cfg, params, tok = got
         cfg = dataclasses.replace(cfg, kernels=_kernels())
         return cfg, _as_asked(params, weights, int8_inputs, jax.eval_shape), tok
-    say(f"loading {model} ...")
+    say(f"loading {model} again, from the conversion kept ..." if again else
+        f"loading {model} ...")
     t0 = time.perf_counter()
     try:
         cfg, params, tok = load_model(model, keep_quantized=keep_quantized)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise CliError(flag_names(e)) from None
     cfg = dataclasses.replace(cfg, kernels=_kernels())
-    n = sum(x.size for x in jax.tree.leaves(params))
-    say(f"loaded {model} ({cfg.family}, {cfg.num_layers} layers, {n / 1e6:.0f}M weights) in "
+    say(f"loaded {model} ({cfg.family}, {cfg.num_layers} layers, "
+        f"{_weight_count(params) / 1e6:.0f}M weights) in "
         f"{time.perf_counter() - t0:.1f} s")
     params = _as_asked(params, weights, int8_inputs)
     return_freed_memory()  # the file's buffers, copied into the arrays
@@ -257,6 +260,17 @@ def load(model: str, need_tokenizer: bool = True, weights: str = "stored",
         raise CliError(f"{model} has no tokenizer: copy the Hugging Face tokenizer files "
                        f"(tokenizer.json, tokenizer_config.json, ...) into {where}")
     return cfg, params, tok
+
+
+def _weight_count(params) -> int:
+    """How many weights ``params`` holds: a quantized node's [out, in] (not its packed codes'
+    or scales' elements: SmolLM2's 4-bit blocks counted 50M of its 135M)."""
+    import jax
+
+    from ..lowbit import QLowBit
+    from ..quant import QKernel
+    nodes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, (QLowBit, QKernel)))
+    return sum(math.prod(x.shape) for x in nodes)
 
 
 def _as_asked(params, weights: str, int8_inputs: bool, apply=lambda f, p: f(p)):

@@ -60,7 +60,7 @@ def compare(fmt: str, a) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default="4bit,bfloat16,w8,float32", help="of " + ", ".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(FORMATS), help="of " + ", ".join(FORMATS))
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64, help="tokens decoded per call")
     ap.add_argument("--reps", type=int, default=16, help="calls of each set, alternated")

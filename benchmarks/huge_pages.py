@@ -48,8 +48,8 @@ def compare(fmt: str, a) -> dict:
         params = jaxllm.smoothquant.quantize(
             params, cfg, np.asarray(ids * 4, np.int32)[:4 * 64], "w8", smooth=False,
             calib=jaxllm.CalibConfig(n_seqs=4, seq_len=64, batch=4))
-    # JAX lets go of a deleted array's host buffer (the float32 load's, here) at its next
-    # operation: one first, so the count is of the weights decoded from
+    # JAX lets go of a deleted array's host buffer (here the float32 load's) only at its next
+    # operation: run one first, so that AnonHugePages counts the measured weights alone
     jnp.zeros(()).block_until_ready()
     huge = huge_mib()
     r = alternated_generate({"2 MiB": (params, cfg),
